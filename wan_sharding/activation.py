@@ -1,0 +1,203 @@
+"""Sequence parallelism on the flat token dim L, through sharding constraints on activations.
+
+Per instance and reversible: forward hooks on this model's ``rope``, ``condition_embedder``,
+``blocks[0]`` and ``proj_out``, and per-module attention processors on its self-attentions. No
+method of any diffusers class is replaced, so other instances are untouched.
+
+Data flow (``WAN_SP_PLAN``)::
+
+    patch_embedding -> flatten -> (B, L, D) replicated
+      -> constrain(replicated) -> pad L to SP*32 -> constrain(L on SP)    # blocks[0] pre-hook
+    rope tables (1, L, 1, d): the same replicated -> pad -> L-on-SP        # rope hook
+    blocks ... (B, L_pad/SP, D) per device
+    proj_out -> constrain(replicated) -> slice back to L                   # proj_out hook
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .attention import DEFAULT_PADDING, PADDING_MODES, ForwardState, build_key_mask
+from .backends import Backend, get_backend
+from .mesh import MeshSpec, as_mesh_spec
+from .plan import SELF_ATTENTION, WAN_SP_PLAN, SPGather, SPSplit
+from .specs import ShardingError, _pattern_regex, check_wan_model
+
+# Models that currently carry SP hooks. Weak, so a dropped model is forgotten.
+_APPLIED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def padded_length(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= n."""
+    return -(-n // multiple) * multiple
+
+
+def _pad_dim(x: torch.Tensor, dim: int, to: int) -> torch.Tensor:
+    extra = to - x.shape[dim]
+    if extra == 0:
+        return x
+    pads = [0, 0] * (x.ndim - 1 - dim) + [0, extra]  # F.pad lists dims from the last one
+    return F.pad(x, pads)
+
+
+def _sp_spec(ndim: int, dim: int, axis: str | None) -> tuple:
+    spec = [None] * ndim
+    spec[dim] = axis
+    return tuple(spec)
+
+
+@dataclass
+class SPHandle:
+    """What :func:`apply_dit_sp_activation_sharding` did to one model; ``remove()`` undoes it."""
+
+    dit: torch.nn.Module
+    mesh: MeshSpec
+    backend: Backend
+    padding: str
+    points: list[str]
+    state: ForwardState
+    _hooks: list = field(default_factory=list, repr=False)
+    _processors: dict = field(default_factory=dict, repr=False)
+    removed: bool = False
+
+    def remove(self) -> None:
+        """Remove every hook and put the original attention processors back."""
+        if self.removed:
+            return
+        for h in self._hooks:
+            h.remove()
+        for module, proc in self._processors.items():
+            module.set_processor(proc)
+        self._hooks.clear()
+        self._processors.clear()
+        _APPLIED.discard(self.dit)
+        self.removed = True
+
+    def __enter__(self) -> "SPHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def describe(self) -> dict[str, Any]:
+        """Summary for reports: mesh, SP size, padding mode, constraint points and last padding."""
+        return {
+            "mesh": self.mesh.name,
+            "sp": self.mesh.sp,
+            "padding": self.padding,
+            "pad_multiple": self.mesh.seq_multiple if self.padding != "none" else 1,
+            "sp_points": list(self.points),
+            "last_tokens": self.state.valid_len,
+            "last_padded_tokens": self.state.padded_len,
+        }
+
+
+def apply_dit_sp_activation_sharding(
+    dit: torch.nn.Module,
+    mesh: Any,
+    backend: str | Backend = "xla",
+    padding: str = DEFAULT_PADDING,
+) -> SPHandle:
+    """Shard the flat token dim L of a Wan DiT's activations over the mesh's SP axis.
+
+    Args:
+        dit: a diffusers ``WanTransformer3DModel``.
+        mesh: a preset name, :class:`MeshSpec`, or the backend's own mesh.
+        backend: ``"xla"`` (torch-xla SPMD), ``"jax"`` (torchax), ``"tt"`` (Tenstorrent's torch
+            plugin) or a :class:`~wan_sharding.backends.Backend` instance.
+        padding: how L is padded to a multiple of SP x 32 and attention kept exact: ``"slice"``
+            (K/V sliced back in every block), ``"mask"`` (additive key mask built once per
+            forward) or ``"none"`` (no padding). Padding is skipped when L is already aligned.
+
+    Returns:
+        An :class:`SPHandle`; ``handle.remove()`` restores the model exactly.
+
+    Raises:
+        ShardingError: not a Wan model, unknown padding mode, or SP already applied to this model.
+        BackendError: the backend is missing or sees a different number of devices.
+    """
+    check_wan_model(dit)
+    if dit in _APPLIED:
+        raise ShardingError("sequence parallelism is already applied to this model; call handle.remove() first")
+    if padding not in PADDING_MODES:
+        raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_MODES)}")
+    mesh_spec = as_mesh_spec(mesh)
+    if mesh_spec.sp_axis is None:
+        raise ShardingError(f"mesh {mesh_spec} has no SP axis; give it roles={{'sp': <axis>, ...}}")
+    be = get_backend(backend, mesh)  # checks the stack and the device count before any change
+    modules = dict(dit.named_modules())
+    for point in WAN_SP_PLAN:
+        if point.module not in modules:
+            raise ShardingError(f"model has no module {point.module!r} named by the SP plan")
+
+    state = ForwardState()
+    handle = SPHandle(dit, mesh_spec, be, padding, [], state)
+    sp_axis = mesh_spec.sp_axis
+    multiple = mesh_spec.seq_multiple if padding != "none" else 1
+
+    def shard_tokens(x: torch.Tensor, dim: int) -> torch.Tensor:
+        # The replicated anchor first is a tt-mlir workaround: with only the L-on-SP constraint,
+        # Shardy pushes the split back into the 5-D -> 3-D reshape before it (patchify, rope) and
+        # tt-mlir fails to retype that reshape ("number of output elements doesn't match").
+        # Anchored, the split lands after the reshape as one clean scatter. Padding sits between
+        # the two, on the replicated tensor.
+        x = be.constrain(x, (None,) * x.ndim)
+        x = _pad_dim(x, dim, padded_length(x.shape[dim], multiple))
+        return be.constrain(x, _sp_spec(x.ndim, dim, sp_axis))
+
+    for point in WAN_SP_PLAN:
+        module = modules[point.module]
+        if isinstance(point, SPSplit) and point.arg is None:  # rope: split both output tables
+            def rope_hook(mod, args, out, dim=point.dim):
+                return tuple(shard_tokens(t, dim) for t in out)
+
+            handle._hooks.append(module.register_forward_hook(rope_hook))
+            handle.points.append(f"{point.module} outputs: replicated -> pad -> L-on-{sp_axis}")
+        elif isinstance(point, SPSplit):  # block-stack entry
+            def entry_hook(mod, args, kwargs, dim=point.dim, arg=point.arg):
+                x = kwargs[arg] if arg in kwargs else args[0]
+                state.valid_len = x.shape[dim]
+                state.padded_len = padded_length(state.valid_len, multiple)
+                state.key_mask = build_key_mask(state.valid_len, state.padded_len, x) if (
+                    padding == "mask" and state.padded) else None
+                x = shard_tokens(x, dim)
+                if arg in kwargs:
+                    return args, {**kwargs, arg: x}
+                return (x, *args[1:]), kwargs
+
+            handle._hooks.append(module.register_forward_pre_hook(entry_hook, with_kwargs=True))
+            handle.points.append(f"{point.module}.{point.arg}: replicated -> pad -> L-on-{sp_axis}")
+        elif isinstance(point, SPGather):  # exit: back to replicated, then drop the padding
+            def exit_hook(mod, args, out, dim=point.dim):
+                out = be.constrain(out, (None,) * out.ndim)
+                return out.narrow(dim, 0, state.valid_len) if state.padded else out
+
+            handle._hooks.append(module.register_forward_hook(exit_hook))
+            handle.points.append(f"{point.module} output: replicated, slice to L")
+
+    # Wan 2.2 TI2V: per-token timesteps make temb (B, L, D) and timestep_proj (B, L, 6D); they
+    # must follow the padded token dim (padded tokens get zeros and are discarded at the exit).
+    def cond_hook(mod, args, kwargs, out):
+        if kwargs.get("timestep_seq_len") is None or multiple == 1:
+            return out
+        temb, proj, *rest = out
+        to = padded_length(temb.shape[1], multiple)
+        return (_pad_dim(temb, 1, to), _pad_dim(proj, 1, to), *rest)
+
+    handle._hooks.append(modules["condition_embedder"].register_forward_hook(cond_hook, with_kwargs=True))
+
+    mode_cls = PADDING_MODES[padding]
+    if mode_cls is not None:
+        rx = _pattern_regex(SELF_ATTENTION)
+        for name, module in modules.items():
+            if rx.match(name):
+                handle._processors[module] = module.processor
+                module.set_processor(mode_cls(module.processor, state))
+
+    _APPLIED.add(dit)
+    return handle

@@ -1,0 +1,127 @@
+"""Exact self-attention over a padded token dim: the padding modes.
+
+Padding L to a multiple of SP x 32 adds keys that must not be attended to. Each mode is a
+per-instance attention processor that wraps the model's own processor (``WanAttnProcessor``):
+
+- ``slice``: the design seed's mode: K and V are cut back to the valid tokens before SDPA in every
+  block. Costs two ``slice`` ops per block (the seed measured +81 ``ttnn.slice_static`` and
+  ~5.6 s -> ~8.9 s per iteration at 480p on Galaxy).
+- ``mask``: an additive key mask (0 for valid keys, a large negative value for padded ones) built
+  once per forward and passed to every self-attention through the stock processor's
+  ``attention_mask``. No per-block op beyond what SDPA already does with a mask.
+
+A padded key gets weight exp(min - max) == 0 exactly, so both modes match the unpadded model up to
+floating-point reordering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardState:
+    """What the hooks of one sharded model share within a forward: the valid and padded token
+    counts (Python ints, static under tracing) and the key mask when the mode builds one."""
+
+    valid_len: int | None = None
+    padded_len: int | None = None
+    key_mask: torch.Tensor | None = None
+
+    @property
+    def padded(self) -> bool:
+        return self.valid_len is not None and self.padded_len != self.valid_len
+
+
+def build_key_mask(valid_len: int, padded_len: int, like: torch.Tensor) -> torch.Tensor:
+    """(1, 1, 1, padded_len) additive mask in ``like``'s dtype: 0 for valid keys, dtype-min after."""
+    pos = torch.arange(padded_len, device=like.device)
+    zero = torch.zeros((), dtype=like.dtype, device=like.device)
+    neg = torch.full((), torch.finfo(like.dtype).min, dtype=like.dtype, device=like.device)
+    return torch.where(pos < valid_len, zero, neg).view(1, 1, 1, padded_len)
+
+
+class _PaddedAttention:
+    """Base for the per-instance processors: falls through to the wrapped processor when the
+    forward is not padded or the call is not self-attention."""
+
+    mode = "?"
+
+    def __init__(self, inner: Any, state: ForwardState):
+        self.inner = inner
+        self.state = state
+
+    def __getattr__(self, name: str) -> Any:  # _attention_backend, _parallel_config, ...
+        if name.startswith("__") or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None, **kwargs):
+        if encoder_hidden_states is not None or not self.state.padded:
+            return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+        if attention_mask is not None:
+            raise ValueError("padded self-attention got its own attention_mask; Wan self-attention takes none")
+        return self.padded_call(attn, hidden_states, rotary_emb, **kwargs)
+
+    def padded_call(self, attn, hidden_states, rotary_emb, **kwargs):
+        raise NotImplementedError
+
+
+class MaskPaddedKeys(_PaddedAttention):
+    """Padded keys masked out by the mask built once per forward; the stock processor does the rest."""
+
+    mode = "mask"
+
+    def padded_call(self, attn, hidden_states, rotary_emb, **kwargs):
+        return self.inner(attn, hidden_states, None, self.state.key_mask, rotary_emb, **kwargs)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Same interleaved-pair rotation as WanAttnProcessor (checked bit-exact in the tests).
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class SliceKV(_PaddedAttention):
+    """K and V sliced back to the valid tokens before SDPA, in every block (the design seed's mode).
+
+    The slice has to sit between RoPE and SDPA, inside the processor, so this path restates
+    ``WanAttnProcessor``'s self-attention steps; ``tests/test_attention.py`` checks it stays
+    bit-identical to the stock processor when nothing is sliced.
+    """
+
+    mode = "slice"
+
+    def padded_call(self, attn, hidden_states, rotary_emb, **kwargs):
+        return self.attend(attn, hidden_states, rotary_emb, self.state.valid_len)
+
+    def attend(self, attn, hidden_states, rotary_emb, keep: int):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        if rotary_emb is not None:
+            query, key = _apply_rotary(query, *rotary_emb), _apply_rotary(key, *rotary_emb)
+        key, value = key[:, :keep], value[:, :keep]  # the per-block slice this mode pays for
+        out = dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                    backend=self.inner._attention_backend, parallel_config=None)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+PADDING_MODES: dict[str, type[_PaddedAttention] | None] = {
+    "slice": SliceKV,
+    "mask": MaskPaddedKeys,
+    "none": None,  # no padding at all: per-device token counts may not be tile-aligned
+}
+DEFAULT_PADDING = "slice"

@@ -1,0 +1,150 @@
+"""JAX through torchax: the unmodified torch module runs as a JAX function.
+
+Weights become arrays with a ``NamedSharding`` (real ones on CPU devices, or abstract
+``jax.ShapeDtypeStruct`` for compile-only lowering); activations are constrained with
+``jax.lax.with_sharding_constraint``. Executes on JAX CPU virtual devices when
+``XLA_FLAGS=--xla_force_host_platform_device_count=<n>`` and ``JAX_PLATFORMS=cpu`` are set
+before JAX starts. With the Tenstorrent plugin in compile-only mode the same lowering goes
+through tt-mlir (``wan_sharding.compile``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ..mesh import MeshSpec
+from .base import Backend, BackendError, Spec
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    last_collectives: dict[str, int] | None = None  # of the last executed program, for tests
+
+    def __init__(self, mesh: MeshSpec, native_mesh: Any = None, devices: list | None = None):
+        self._devices = devices
+        super().__init__(mesh, native_mesh)
+
+    def _make_mesh(self, mesh: MeshSpec) -> Any:
+        try:
+            import jax
+            from jax.sharding import Mesh
+        except ImportError as e:  # pragma: no cover - jax is a hard dependency
+            raise BackendError(f"jax is not importable ({e}); install wan_sharding's pinned stack") from e
+        devices = self._devices if self._devices is not None else jax.devices()
+        if len(devices) < mesh.num_devices or (self._devices is None and len(devices) != mesh.num_devices):
+            self.check_device_count(len(devices), f"JAX ({devices[0].platform})")
+        grid = np.array(devices[: mesh.num_devices]).reshape(mesh.shape)
+        return Mesh(grid, mesh.axis_names)
+
+    def _device_count_hint(self) -> str:
+        return (
+            "on CPU set JAX_PLATFORMS=cpu and XLA_FLAGS=--xla_force_host_platform_device_count=<mesh devices> "
+            "before importing jax; for tt-mlir compile-only, generate a descriptor with that many chips"
+        )
+
+    def sharding(self, spec: Spec) -> Any:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.native_mesh, PartitionSpec(*spec))
+
+    def state_specs(self, dit: torch.nn.Module, specs: Mapping[torch.Tensor, Spec]) -> dict[str, Spec]:
+        """Specs for everything ``functional_call`` needs: parameters from ``specs``, buffers
+        (the non-persistent rope tables too) replicated."""
+        by_name = specs.by_name() if hasattr(specs, "by_name") else {n: specs[p] for n, p in dit.named_parameters()}
+        out = dict(by_name)
+        for name, buf in dit.named_buffers():
+            out[name] = (None,) * buf.ndim
+        return out
+
+    def place(self, dit: torch.nn.Module, specs: Mapping[torch.Tensor, Spec]) -> dict[str, Any]:
+        """Real weights as sharded JAX arrays (the torch module itself is left as it is)."""
+        import jax
+        import torchax
+
+        env = torchax.default_env()
+        tensors = dict(dit.named_parameters())
+        tensors.update(dit.named_buffers())
+        placed = {}
+        for name, spec in self.state_specs(dit, specs).items():
+            arr = env.t2j_copy(tensors[name].detach())
+            placed[name] = jax.device_put(arr, self.sharding(spec))
+        return placed
+
+    def abstract_state(self, dit: torch.nn.Module, specs: Mapping[torch.Tensor, Spec],
+                       dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """Shape/dtype/sharding stand-ins for every weight: lowering needs no weights in memory."""
+        import jax
+        from torchax.ops import mappings
+
+        tensors = dict(dit.named_parameters())
+        tensors.update(dit.named_buffers())
+        out = {}
+        for name, spec in self.state_specs(dit, specs).items():
+            t = tensors[name]
+            dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+            if dt == torch.float64:  # no f64 without jax_enable_x64 (and none on Tenstorrent chips)
+                dt = torch.float32
+            out[name] = jax.ShapeDtypeStruct(tuple(t.shape), mappings.t2j_dtype(dt), sharding=self.sharding(spec))
+        return out
+
+    def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
+        import jax
+        from torchax.interop import jax_view, torch_view
+
+        if not hasattr(tensor, "jax"):
+            raise BackendError(
+                "the jax backend constrains activations only inside a torchax trace; run the model "
+                "through JaxBackend.run / jax_forward, not as a plain torch call"
+            )
+        return torch_view(jax.lax.with_sharding_constraint(jax_view(tensor), self.sharding(spec)))
+
+    def jax_forward(self, dit: torch.nn.Module):
+        """``f(state, args, kwargs) -> output`` as a JAX-traceable function of JAX values."""
+        import torchax
+
+        env = torchax.default_env()
+
+        def forward(state: dict, args: tuple, kwargs: dict):
+            state, args, kwargs = env.j2t_iso((state, args, kwargs))
+            with env:
+                out = torch.func.functional_call(dit, state, args, {**kwargs, "return_dict": False})[0]
+            return env.t2j_iso(out)
+
+        return forward
+
+    def run(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        import jax
+        import torchax
+
+        env = torchax.default_env()
+        replicated = self.sharding(())
+        to_jax = lambda x: jax.device_put(env.t2j_copy(x), replicated) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        jargs = tuple(to_jax(a) for a in args)
+        jkwargs = {k: to_jax(v) for k, v in kwargs.items()}
+        compiled = jax.jit(self.jax_forward(dit)).lower(placed, jargs, jkwargs).compile()
+        self.last_collectives = collective_counts(compiled.as_text())
+        out = jax.device_get(compiled(placed, jargs, jkwargs))
+        dtype = torch.bfloat16 if str(out.dtype) == "bfloat16" else None  # numpy has no bf16 for torch
+        host = torch.from_numpy(np.asarray(out, dtype=np.float32 if dtype else out.dtype).copy())
+        return host.to(dtype) if dtype else host
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """Collectives in a partitioned HLO module, by kind (``all-reduce``, ``all-gather``, ...)."""
+    import re
+
+    kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+    counts = {k: len(re.findall(rf"= [^=\n]*\b{k}(?:-start)?\(", hlo_text)) for k in kinds}
+    return {k: v for k, v in counts.items() if v}
+
+
+def cpu_env(num_devices: int) -> dict[str, str]:
+    """Environment for a process that runs JAX on ``num_devices`` CPU devices."""
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+    env.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
+    return env

@@ -1,0 +1,174 @@
+"""Logical device meshes and the one table that maps parallelism roles to mesh axes.
+
+A :class:`MeshSpec` is backend-neutral: a shape, axis names and which axis plays which role.
+Backends (``wan_sharding.backends``) turn it into a real ``torch_xla`` or ``jax`` mesh.
+
+Words: an *axis* is a mesh axis, a *dim* a tensor dimension. A *spec* is a tuple with one
+entry per tensor dim, each ``None`` (replicated) or a mesh axis name, as in
+``xs.mark_sharding`` and JAX's ``PartitionSpec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+# Tenstorrent tensor tiles are 32x32: a per-device token count that is a multiple of this
+# keeps the SP scatter (ttnn.mesh_partition) tile-aligned.
+TILE = 32
+
+# Role -> position of the mesh axis that carries it. SP on the first axis and TP on the
+# second, as the reference recipe lays out its ("batch", "model") mesh.
+DEFAULT_ROLES: Mapping[str, int] = {"sp": 0, "tp": 1}
+DEFAULT_AXIS_NAMES: tuple[str, str] = ("sp", "tp")
+
+# Named presets: machine -> (sp, tp) mesh shape.
+PRESETS: Mapping[str, tuple[int, int]] = {
+    "1x1": (1, 1),  # one n150 / p150 card
+    "1x2": (1, 2),  # n300 / p300 card
+    "1x4": (1, 4),  # QuietBox (Blackhole), TP only
+    "1x8": (1, 8),  # Wormhole QuietBox / T3K as one line
+    "2x4": (2, 4),  # LoudBox / T3K
+    "4x8": (4, 8),  # Galaxy in tt-metal's layout
+    "8x4": (8, 4),  # Galaxy in tt-xla's layout
+}
+PRESET_MACHINES: Mapping[str, str] = {
+    "1x1": "single card",
+    "1x2": "n300/p300",
+    "1x4": "QuietBox",
+    "1x8": "QuietBox/T3K (line)",
+    "2x4": "LoudBox/T3K",
+    "4x8": "Galaxy (tt-metal layout)",
+    "8x4": "Galaxy",
+}
+# Device count -> preset used when the mesh comes from the number of visible devices.
+BY_DEVICE_COUNT: Mapping[int, str] = {1: "1x1", 2: "1x2", 4: "1x4", 8: "2x4", 32: "8x4"}
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be used: unknown preset, wrong device count, unknown axis."""
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A 2-D logical mesh: ``shape[i]`` devices along axis ``axis_names[i]``.
+
+    ``roles`` maps the parallelism roles ``"sp"`` and ``"tp"`` to axis names.
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...] = DEFAULT_AXIS_NAMES
+    roles: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(s) for s in self.shape)
+        names = tuple(self.axis_names)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "axis_names", names)
+        if len(shape) != len(names):
+            raise MeshError(f"mesh shape {shape} has {len(shape)} axes but axis_names {names} has {len(names)}")
+        if any(s < 1 for s in shape):
+            raise MeshError(f"mesh shape {shape} must have positive sizes")
+        if len(set(names)) != len(names):
+            raise MeshError(f"mesh axis names {names} must be distinct")
+        roles = dict(self.roles) if self.roles is not None else {
+            role: names[pos] for role, pos in DEFAULT_ROLES.items() if pos < len(names)
+        }
+        for role, axis in roles.items():
+            if role not in DEFAULT_ROLES:
+                raise MeshError(f"unknown role {role!r}; known roles: {sorted(DEFAULT_ROLES)}")
+            if axis is not None and axis not in names:
+                raise MeshError(
+                    f"role {role!r} names axis {axis!r}, which is not a mesh axis {names}; "
+                    "pass roles={'sp': <axis>, 'tp': <axis>} with names from axis_names"
+                )
+        object.__setattr__(self, "roles", roles)
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def axis_size(self, axis: str | None) -> int:
+        if axis is None:
+            return 1
+        if axis not in self.axis_names:
+            raise MeshError(f"unknown mesh axis {axis!r}; this mesh has axes {self.axis_names}")
+        return self.shape[self.axis_names.index(axis)]
+
+    @property
+    def sp_axis(self) -> str | None:
+        return self.roles.get("sp")
+
+    @property
+    def tp_axis(self) -> str | None:
+        return self.roles.get("tp")
+
+    @property
+    def sp(self) -> int:
+        return self.axis_size(self.sp_axis)
+
+    @property
+    def tp(self) -> int:
+        return self.axis_size(self.tp_axis)
+
+    @property
+    def seq_multiple(self) -> int:
+        """What the flat token count L is padded to: SP x tile, so every SP shard is whole tiles."""
+        return self.sp * TILE
+
+    @property
+    def name(self) -> str:
+        return "x".join(str(s) for s in self.shape)
+
+    def __str__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        return f"MeshSpec({self.name}: {axes}; sp={self.sp_axis}, tp={self.tp_axis})"
+
+
+def mesh_from_preset(name: str, axis_names: tuple[str, str] = DEFAULT_AXIS_NAMES,
+                     roles: Mapping[str, str] | None = None) -> MeshSpec:
+    """The named preset (``"1x4"``, ``"2x4"``, ``"8x4"``, ...) as a :class:`MeshSpec`."""
+    key = name.lower().replace("(", "").replace(")", "").replace(",", "x").replace(" ", "")
+    if key not in PRESETS:
+        raise MeshError(f"unknown mesh {name!r}; known presets: {', '.join(PRESETS)}")
+    return MeshSpec(PRESETS[key], axis_names, roles)
+
+
+def mesh_for_device_count(n: int) -> MeshSpec:
+    """The reference recipe's mesh for ``n`` devices (32 -> 8x4, 8 -> 2x4, 4 -> 1x4, ...)."""
+    if n not in BY_DEVICE_COUNT:
+        raise MeshError(
+            f"no mesh preset for {n} devices; supported counts: {sorted(BY_DEVICE_COUNT)}. "
+            "Build one explicitly with MeshSpec((sp, tp))."
+        )
+    return mesh_from_preset(BY_DEVICE_COUNT[n])
+
+
+def as_mesh_spec(mesh: Any) -> MeshSpec:
+    """Accept a :class:`MeshSpec`, a preset name, a ``(sp, tp)`` tuple, a ``torch_xla`` mesh or a
+    ``jax.sharding.Mesh`` and return the :class:`MeshSpec` it describes.
+
+    Backend meshes keep their own axis names; roles then follow the default axis order
+    (first axis SP, second TP), so a reference-style ``("batch", "model")`` mesh works as is.
+    """
+    if isinstance(mesh, MeshSpec):
+        return mesh
+    if isinstance(mesh, str):
+        return mesh_from_preset(mesh)
+    if isinstance(mesh, tuple) and all(isinstance(s, int) for s in mesh):
+        return MeshSpec(mesh, DEFAULT_AXIS_NAMES[: len(mesh)])
+    # torch_xla.distributed.spmd.Mesh: mesh_shape + axis_names
+    if hasattr(mesh, "mesh_shape") and hasattr(mesh, "axis_names"):
+        names = tuple(mesh.axis_names) if mesh.axis_names else DEFAULT_AXIS_NAMES[: len(mesh.mesh_shape)]
+        return MeshSpec(tuple(mesh.mesh_shape), names)
+    # jax.sharding.Mesh: devices array + axis_names
+    if hasattr(mesh, "devices") and hasattr(mesh, "axis_names") and hasattr(mesh.devices, "shape"):
+        return MeshSpec(tuple(mesh.devices.shape), tuple(mesh.axis_names))
+    raise MeshError(
+        f"cannot use {type(mesh).__name__} as a mesh; pass a preset name ('1x4', '2x4', '8x4'), "
+        "a MeshSpec, a torch_xla Mesh or a jax Mesh"
+    )

@@ -1,0 +1,112 @@
+"""Wan 2.2 DiT variants: the real configs, tiny configs with the same structure, and builders.
+
+Tiny configs keep what the sharding depends on (head-aligned TP up to 8, RMSNorm across heads,
+affine cross-attention norm, the variant's channel counts and per-token timesteps for TI2V) at a
+size that runs on CPU virtual meshes in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# diffusers WanTransformer3DModel configs (reference: shared/reference/wan22-facts.md).
+_A14B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, text_dim=4096, freq_dim=256,
+    ffn_dim=13824, num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+    rope_max_seq_len=1024,
+)
+FULL_CONFIGS: dict[str, dict[str, Any]] = {
+    "t2v-a14b": {**_A14B, "in_channels": 16, "out_channels": 16},
+    "i2v-a14b": {**_A14B, "in_channels": 36, "out_channels": 16},
+    "ti2v-5b": {**_A14B, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30,
+                "in_channels": 48, "out_channels": 48},
+}
+_TINY = dict(
+    patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=16, text_dim=32, freq_dim=32,
+    ffn_dim=256, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+    rope_max_seq_len=256,
+)
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "t2v-a14b": {**_TINY, "in_channels": 16, "out_channels": 16},
+    "i2v-a14b": {**_TINY, "in_channels": 36, "out_channels": 16},
+    "ti2v-5b": {**_TINY, "num_attention_heads": 12, "ffn_dim": 192, "in_channels": 48, "out_channels": 48},
+}
+VARIANTS = tuple(FULL_CONFIGS)
+# TI2V-5B takes one timestep per token (the pipeline's expand_timesteps), the A14B experts one per sample.
+PER_TOKEN_TIMESTEPS = {"ti2v-5b"}
+PROMPT_TOKENS = {"full": 512, "tiny": 16}
+
+
+def config_for(variant: str, size: str = "tiny", **overrides: Any) -> dict[str, Any]:
+    table = {"tiny": TINY_CONFIGS, "full": FULL_CONFIGS}.get(size)
+    if table is None:
+        raise ValueError(f"unknown model size {size!r}; choose 'tiny' or 'full'")
+    if variant not in table:
+        raise ValueError(f"unknown Wan variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    return {**table[variant], **overrides}
+
+
+def build_dit(variant: str = "t2v-a14b", size: str = "tiny", device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any):
+    """A ``WanTransformer3DModel`` of ``variant``. ``device="meta"`` builds it without memory
+    (names, shapes, dtypes only), which is what compile-only lowering needs for the full model."""
+    from diffusers import WanTransformer3DModel
+
+    cfg = config_for(variant, size, **overrides)
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return cast_like_pretrained(WanTransformer3DModel(**cfg), dtype)
+    torch.manual_seed(seed)
+    dit = WanTransformer3DModel(**cfg)
+    # diffusers zero-initialises nothing we rely on, but the default init makes some layers
+    # near-identity; random-normal weights exercise every sharded path.
+    with torch.no_grad():
+        for p in dit.parameters():
+            p.normal_(0.0, 0.5 / max(p.shape[-1], 1) ** 0.5 if p.ndim > 1 else 0.1)
+    return cast_like_pretrained(dit, dtype).to(device).eval()
+
+
+def cast_like_pretrained(dit: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast floating parameters to ``dtype`` except the modules diffusers keeps in float32
+    (``_keep_in_fp32_modules``), as ``from_pretrained(torch_dtype=...)`` does."""
+    keep = tuple(getattr(dit, "_keep_in_fp32_modules", None) or ())
+    for name, p in dit.named_parameters():
+        if p.is_floating_point() and not any(k in name.split(".") for k in keep):
+            p.data = p.data.to(dtype)
+    return dit
+
+
+@dataclass(frozen=True)
+class LatentShape:
+    """Latent video (frames, height, width) after the VAE; tokens = F * H/2 * W/2 for patch 1x2x2."""
+
+    frames: int
+    height: int
+    width: int
+
+    def tokens(self, patch: tuple[int, int, int] = (1, 2, 2)) -> int:
+        return (self.frames // patch[0]) * (self.height // patch[1]) * (self.width // patch[2])
+
+
+RESOLUTIONS = {
+    "480p": LatentShape(21, 60, 104),  # 480x832, 81 frames: 32760 tokens
+    "720p": LatentShape(21, 90, 160),  # 720x1280, 81 frames: 75600 tokens
+    "704p": LatentShape(31, 44, 80),  # TI2V-5B 704x1280, 121 frames: 27280 tokens
+}
+
+
+def dit_inputs(variant: str, latent: LatentShape, size: str = "tiny", batch: int = 1,
+               dtype: torch.dtype = torch.float32, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Random forward inputs for ``variant`` at ``latent`` shape (keyword arguments of ``forward``)."""
+    cfg = config_for(variant, size)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, cfg["in_channels"], latent.frames, latent.height, latent.width, generator=g)
+    if variant in PER_TOKEN_TIMESTEPS:
+        t = torch.randint(0, 1000, (batch, latent.tokens(cfg["patch_size"])), generator=g).float()
+    else:
+        t = torch.randint(0, 1000, (batch,), generator=g).float()
+    text = torch.randn(batch, PROMPT_TOKENS[size], cfg["text_dim"], generator=g)
+    return {"hidden_states": x.to(dtype), "timestep": t, "encoder_hidden_states": text.to(dtype)}

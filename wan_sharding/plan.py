@@ -1,0 +1,93 @@
+"""The Wan 2.2 DiT parallelism plan, as plain data. Imports no backend.
+
+Tensor parallelism uses the vocabulary of diffusers' ``_tp_plan``: a module-path pattern
+(``*`` matches one path component,
+a trailing ``**`` any sub-path including none) mapped to a style. Every parameter of the model must be
+owned by a module that some pattern names; an unnamed parameter is an error, never a silent
+replication, so a diffusers release that adds a layer is caught by ``shard_dit_specs``.
+
+Sequence parallelism mirrors ``WanTransformer3DModel._cp_plan``: the three places where the
+flat token dim L is split (rope tables, block-stack entry) and gathered back (``proj_out``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+# ---- tensor-parallel styles ------------------------------------------------------------------
+COLWISE = "colwise"  # Linear split on its output features: no collective
+ROWWISE = "rowwise"  # Linear split on its input features: one all-reduce of the partial sums
+NORM_COLWISE = "norm_colwise"  # norm weight following a colwise split: one small stats all-reduce
+REPLICATE = "replicate"  # full copy on every device: no collective
+STYLES = (COLWISE, ROWWISE, NORM_COLWISE, REPLICATE)
+
+# Megatron pairs (colwise then rowwise) keep the activation TP-sharded across the nonlinearity,
+# so each pair costs one all-reduce. Head-aligned: 40 heads / TP 4 = 10 whole heads per device.
+WAN_TP_PLAN: Mapping[str, str] = {
+    # -- boundary layers: replicated (entry conv, output projection, final adaLN table) --
+    "patch_embedding": REPLICATE,
+    "proj_out": REPLICATE,  # small (D -> 64); its output is gathered to replicated
+    "norm_out": REPLICATE,  # non-affine in Wan; listed so an affine variant is still covered
+    "": REPLICATE,  # the model's own scale_shift_table (1, 2, D)
+    # -- condition embedder: two Megatron pairs --
+    "condition_embedder.time_embedder.linear_1": COLWISE,
+    "condition_embedder.time_embedder.linear_2": ROWWISE,  # 1 all-reduce per forward
+    "condition_embedder.text_embedder.linear_1": COLWISE,
+    "condition_embedder.text_embedder.linear_2": ROWWISE,  # 1 all-reduce per forward
+    # A lone colwise time_proj would need an all-gather in every block; keep it whole.
+    "condition_embedder.time_proj": REPLICATE,
+    "condition_embedder.image_embedder.**": REPLICATE,  # Wan 2.1 I2V only; small, once per forward
+    # -- transformer blocks: three Megatron pairs each --
+    "blocks.*": REPLICATE,  # scale_shift_table (1, 6, D)
+    "blocks.*.norm1": REPLICATE,
+    "blocks.*.norm2": REPLICATE,  # affine LayerNorm on the TP-replicated residual stream
+    "blocks.*.norm3": REPLICATE,
+    "blocks.*.attn1.to_q": COLWISE,
+    "blocks.*.attn1.to_k": COLWISE,
+    "blocks.*.attn1.to_v": COLWISE,
+    "blocks.*.attn1.norm_q": NORM_COLWISE,  # RMSNorm across all heads: stats all-reduce
+    "blocks.*.attn1.norm_k": NORM_COLWISE,
+    "blocks.*.attn1.to_out.0": ROWWISE,  # all-reduce
+    "blocks.*.attn2.to_q": COLWISE,
+    "blocks.*.attn2.to_k": COLWISE,  # K/V from the SP-replicated prompt: no SP all-gather
+    "blocks.*.attn2.to_v": COLWISE,
+    "blocks.*.attn2.norm_q": NORM_COLWISE,
+    "blocks.*.attn2.norm_k": NORM_COLWISE,
+    "blocks.*.attn2.add_k_proj": COLWISE,  # image K/V (Wan 2.1 I2V)
+    "blocks.*.attn2.add_v_proj": COLWISE,
+    "blocks.*.attn2.norm_added_k": NORM_COLWISE,
+    "blocks.*.attn2.to_out.0": ROWWISE,  # all-reduce
+    "blocks.*.ffn.net.0.proj": COLWISE,
+    "blocks.*.ffn.net.2": ROWWISE,  # all-reduce
+}
+
+
+# ---- sequence-parallel points ------------------------------------------------------------------
+@dataclass(frozen=True)
+class SPSplit:
+    """Split the flat token dim of a module's input (``arg``) or of its outputs (``arg=None``)."""
+
+    module: str
+    dim: int
+    arg: str | None = None
+
+
+@dataclass(frozen=True)
+class SPGather:
+    """Gather a module's output back to replicated along the token dim."""
+
+    module: str
+    dim: int
+
+
+# The same three points as diffusers' WanTransformer3DModel._cp_plan (a test checks they agree).
+WAN_SP_PLAN: tuple[SPSplit | SPGather, ...] = (
+    SPSplit("rope", dim=1),  # both rope tables, (1, L, 1, head_dim)
+    SPSplit("blocks.0", dim=1, arg="hidden_states"),  # (B, L, D) entering the block stack
+    SPGather("proj_out", dim=1),  # (B, L, C) before unpatchify
+)
+
+# Attention modules whose keys and values come from the video tokens (self-attention). These see
+# padded keys when L is padded and must keep attention exact.
+SELF_ATTENTION = "blocks.*.attn1"

@@ -1,0 +1,181 @@
+"""Plan + model + mesh -> a partition spec for every parameter. Pure: never changes the model.
+
+Works on a ``meta``-device model (only names and shapes are read), so the full 14B DiT can be
+planned and compiled without weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .mesh import MeshSpec, as_mesh_spec
+from .plan import COLWISE, NORM_COLWISE, REPLICATE, ROWWISE, STYLES, WAN_TP_PLAN
+
+Spec = tuple  # one entry per tensor dim: None or a mesh axis name
+
+
+class ShardingError(ValueError):
+    """The model, mesh or plan cannot be combined; raised before anything is changed."""
+
+
+def check_wan_model(dit: Any) -> None:
+    """Refuse anything that is not a diffusers ``WanTransformer3DModel``."""
+    from diffusers import WanTransformer3DModel
+
+    if not isinstance(dit, WanTransformer3DModel):
+        raise ShardingError(
+            f"expected a diffusers WanTransformer3DModel, got {type(dit).__name__}; "
+            "pass the pipeline's transformer (pipe.transformer / pipe.transformer_2), "
+            "or use shard_pipeline for a whole pipeline"
+        )
+
+
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    if pattern == "":
+        return re.compile(r"\A\Z")
+    parts = pattern.split(".")
+    tail_any = parts[-1] == "**"
+    if tail_any:
+        parts = parts[:-1]
+    body = r"\.".join(r"[^.]+" if p == "*" else re.escape(p) for p in parts)
+    return re.compile(rf"\A{body}(?:\..+)?\Z" if tail_any else rf"\A{body}\Z")
+
+
+def resolve_styles(dit: torch.nn.Module, plan: Mapping[str, str] = WAN_TP_PLAN) -> dict[str, str]:
+    """Map every parameter name to the style of the plan pattern that names its owner module.
+
+    Raises :class:`ShardingError` for a parameter no pattern covers, or two patterns that disagree.
+    """
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ShardingError(f"plan entry {pattern!r} has unknown style {style!r}; known: {STYLES}")
+    compiled = [(p, _pattern_regex(p), s) for p, s in plan.items()]
+    styles: dict[str, str] = {}
+    uncovered: list[str] = []
+    for name, _ in dit.named_parameters():
+        owner = name.rpartition(".")[0]
+        hits = {s for p, rx, s in compiled if rx.match(owner)}
+        if not hits:
+            uncovered.append(name)
+        elif len(hits) > 1:
+            raise ShardingError(f"parameter {name!r} is named by plan patterns with different styles {sorted(hits)}")
+        else:
+            styles[name] = hits.pop()
+    if uncovered:
+        shown = ", ".join(uncovered[:5]) + (" ..." if len(uncovered) > 5 else "")
+        raise ShardingError(
+            f"{len(uncovered)} parameters are not covered by the TP plan ({shown}); this model differs "
+            "from the Wan 2.2 DiT the plan was written for: add a pattern for them to the plan"
+        )
+    return styles
+
+
+def _spec_for(style: str, shape: torch.Size, tp: str | None, leaf: str) -> Spec:
+    ndim = len(shape)
+    replicated = (None,) * ndim
+    if style == REPLICATE or tp is None:
+        return replicated
+    if style == COLWISE:  # nn.Linear weight is (out, in): split out; bias (out,) follows it
+        return (tp, None) if ndim == 2 else (tp,)
+    if style == ROWWISE:  # split in; the bias is added once, after the all-reduce
+        return (None, tp) if ndim == 2 else replicated
+    if style == NORM_COLWISE:
+        return (tp,) + (None,) * (ndim - 1)
+    raise ShardingError(f"unknown style {style!r}")
+
+
+def _check_divisible(name: str, shape: torch.Size, spec: Spec, mesh: MeshSpec) -> None:
+    for dim, axis in enumerate(spec):
+        if axis is not None and shape[dim] % mesh.axis_size(axis):
+            raise ShardingError(
+                f"{name}: dim {dim} of size {shape[dim]} is not divisible by mesh axis {axis!r} "
+                f"of size {mesh.axis_size(axis)}; choose a mesh whose TP size divides it"
+            )
+
+
+def _check_heads(dit: torch.nn.Module, mesh: MeshSpec) -> None:
+    heads = dit.config.num_attention_heads
+    if heads % mesh.tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ShardingError(
+            f"{heads} attention heads are not divisible by TP={mesh.tp} (mesh {mesh.name}); "
+            f"TP must be head-aligned: use a mesh whose TP axis is one of {divisors}"
+        )
+
+
+class ShardSpecs(Mapping):
+    """``{parameter tensor: spec}`` for every parameter, replicated ones spelled out.
+
+    A drop-in for the reference loop ``for tensor, spec in specs.items(): xs.mark_sharding(tensor,
+    mesh, spec)``. ``by_name()`` gives ``{parameter name: spec}``; ``str(specs)`` prints them.
+    """
+
+    def __init__(self, entries: list[tuple[str, torch.Tensor, Spec, str]], mesh: MeshSpec):
+        self._entries = entries
+        self._by_id = {id(t): (n, t, s, st) for n, t, s, st in entries}
+        self.mesh = mesh
+
+    def __getitem__(self, tensor: torch.Tensor) -> Spec:
+        try:
+            return self._by_id[id(tensor)][2]
+        except KeyError:
+            raise KeyError("tensor is not a parameter of the model these specs were made for") from None
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (t for _, t, _, _ in self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def by_name(self) -> dict[str, Spec]:
+        return {n: s for n, _, s, _ in self._entries}
+
+    def styles(self) -> dict[str, str]:
+        return {n: st for n, _, _, st in self._entries}
+
+    def counts(self) -> dict[str, int]:
+        """How many parameters each style got, e.g. ``{'colwise': 28, 'rowwise': 14, ...}``."""
+        out = {s: 0 for s in (COLWISE, ROWWISE, NORM_COLWISE, REPLICATE)}
+        for _, _, spec, style in self._entries:
+            # A rowwise bias is replicated; count what the tensor actually gets.
+            out[style if any(a is not None for a in spec) else REPLICATE] += 1
+        return out
+
+    def __str__(self) -> str:
+        width = max((len(n) for n, *_ in self._entries), default=0)
+        lines = [f"{n:<{width}}  {tuple(t.shape)!s:<16} {s}" for n, t, s, _ in self._entries]
+        return f"ShardSpecs on {self.mesh}\n" + "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def shard_dit_specs(dit: torch.nn.Module, mesh: Any, plan: Mapping[str, str] = WAN_TP_PLAN) -> ShardSpecs:
+    """Megatron tensor-parallel partition specs for every parameter of a Wan DiT.
+
+    Args:
+        dit: a diffusers ``WanTransformer3DModel`` (real weights or on the ``meta`` device).
+        mesh: a preset name (``"1x4"``, ``"2x4"``, ``"8x4"``), a :class:`MeshSpec`, or a torch-xla /
+            JAX mesh. The TP role's axis carries the split.
+        plan: module-path pattern -> style (defaults to :data:`WAN_TP_PLAN`).
+
+    Returns:
+        :class:`ShardSpecs`, a mapping from each parameter tensor to its spec.
+
+    Raises:
+        ShardingError: not a Wan model, heads or a sharded dim not divisible by TP, or a parameter
+            the plan does not cover. Nothing is changed on the model.
+    """
+    check_wan_model(dit)
+    mesh = as_mesh_spec(mesh)
+    _check_heads(dit, mesh)
+    styles = resolve_styles(dit, plan)
+    entries = []
+    for name, param in dit.named_parameters():
+        spec = _spec_for(styles[name], param.shape, mesh.tp_axis, name.rpartition(".")[2])
+        _check_divisible(name, param.shape, spec, mesh)
+        entries.append((name, param, spec, styles[name]))
+    return ShardSpecs(entries, mesh)
