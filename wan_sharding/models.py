@@ -91,6 +91,19 @@ class LatentShape:
         return (self.frames // patch[0]) * (self.height // patch[1]) * (self.width // patch[2])
 
 
+def latent_for_tokens(tokens: int, limit: int = 256) -> LatentShape:
+    """A latent shape with exactly ``tokens`` patch tokens (patch 1x2x2), every axis of the
+    patchified grid at most ``limit`` (the tiny configs' rope table length)."""
+    for frames in range(1, limit + 1):
+        if tokens % frames:
+            continue
+        rest = tokens // frames
+        for h in range(1, limit + 1):
+            if rest % h == 0 and rest // h <= limit:
+                return LatentShape(frames, 2 * h, 2 * (rest // h))
+    raise ValueError(f"no latent shape with {tokens} tokens and every axis <= {limit}")
+
+
 RESOLUTIONS = {
     "480p": LatentShape(21, 60, 104),  # 480x832, 81 frames: 32760 tokens
     "720p": LatentShape(21, 90, 160),  # 720x1280, 81 frames: 75600 tokens

@@ -22,7 +22,6 @@ from .base import Backend, BackendError, Spec
 
 class JaxBackend(Backend):
     name = "jax"
-    last_collectives: dict[str, int] | None = None  # of the last executed program, for tests
 
     def __init__(self, mesh: MeshSpec, native_mesh: Any = None, devices: list | None = None):
         self._devices = devices
@@ -116,21 +115,50 @@ class JaxBackend(Backend):
 
         return forward
 
-    def run(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _jitted(self, dit: torch.nn.Module):
+        """One ``jax.jit`` per model, so repeated calls with the same shapes reuse the executable
+        (the SP hooks run only while tracing; their Python state is not needed afterwards)."""
+        import jax
+
+        cache = self.__dict__.setdefault("_jit_cache", {})
+        if id(dit) not in cache:
+            cache[id(dit)] = (dit, jax.jit(self.jax_forward(dit)))  # keep dit alive with its id
+        return cache[id(dit)][1]
+
+    def _device_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         import jax
         import torchax
 
         env = torchax.default_env()
         replicated = self.sharding(())
         to_jax = lambda x: jax.device_put(env.t2j_copy(x), replicated) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        jargs = tuple(to_jax(a) for a in args)
-        jkwargs = {k: to_jax(v) for k, v in kwargs.items()}
-        compiled = jax.jit(self.jax_forward(dit)).lower(placed, jargs, jkwargs).compile()
-        self.last_collectives = collective_counts(compiled.as_text())
-        out = jax.device_get(compiled(placed, jargs, jkwargs))
+        return tuple(to_jax(a) for a in args), {k: to_jax(v) for k, v in kwargs.items()}
+
+    def compile(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any):
+        """The compiled program for these inputs, as ``call()`` -> device output; its partitioned
+        HLO is ``call.text`` (for collective counts)."""
+        jargs, jkwargs = self._device_inputs(args, kwargs)
+        exe = self._jitted(dit).lower(placed, jargs, jkwargs).compile()
+        call = lambda: exe(placed, jargs, jkwargs)  # noqa: E731
+        call.text = exe.as_text()
+        return call
+
+    def run_device(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """One forward; the output stays a (sharded) JAX array on the devices."""
+        jargs, jkwargs = self._device_inputs(args, kwargs)
+        return self._jitted(dit)(placed, jargs, jkwargs)
+
+    @staticmethod
+    def to_host(out: Any) -> torch.Tensor:
+        import jax
+
+        out = jax.device_get(out)
         dtype = torch.bfloat16 if str(out.dtype) == "bfloat16" else None  # numpy has no bf16 for torch
         host = torch.from_numpy(np.asarray(out, dtype=np.float32 if dtype else out.dtype).copy())
         return host.to(dtype) if dtype else host
+
+    def run(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.to_host(self.run_device(dit, placed, *args, **kwargs))
 
 
 def collective_counts(hlo_text: str) -> dict[str, int]:
