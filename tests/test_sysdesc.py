@@ -8,7 +8,6 @@ before JAX starts and must not leak into this process.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -188,9 +187,10 @@ _PROBE = textwrap.dedent(
 
 
 def _run_plugin(desc: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["TT_COMPILE_ONLY_SYSTEM_DESC"] = str(desc)
-    env.pop("JAX_PLATFORMS", None)  # the tt platform must be picked up
+    from wan_sharding.compile.lowering import private_tmpdir, worker_env
+
+    # A private TMPDIR: the plugin keeps its descriptor copy at a fixed path under it.
+    env = worker_env(desc, private_tmpdir(desc.parent))
     return subprocess.run(
         [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=180
     )

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .attention import DEFAULT_PADDING, PADDING_MODES, ForwardState, build_key_mask
+from .attention import PADDING_MODES, ForwardState, build_key_mask
 from .backends import Backend, get_backend
 from .mesh import MeshSpec, as_mesh_spec
-from .plan import SELF_ATTENTION, WAN_SP_PLAN, SPGather, SPSplit
+from .plan import DEFAULT_PADDING, SELF_ATTENTION, WAN_SP_PLAN, ShardingPlan, SPGather, SPSplit
 from .specs import ShardingError, _pattern_regex, check_wan_model
 
 # Models that currently carry SP hooks. Weak, so a dropped model is forgotten.
@@ -101,7 +101,10 @@ def apply_dit_sp_activation_sharding(
     dit: torch.nn.Module,
     mesh: Any,
     backend: str | Backend = "xla",
-    padding: str = DEFAULT_PADDING,
+    padding: str | None = None,
+    plan: ShardingPlan | None = None,
+    *,
+    anchor: bool = True,
 ) -> SPHandle:
     """Shard the flat token dim L of a Wan DiT's activations over the mesh's SP axis.
 
@@ -113,6 +116,11 @@ def apply_dit_sp_activation_sharding(
         padding: how L is padded to a multiple of SP x 32 and attention kept exact: ``"slice"``
             (K/V sliced back in every block), ``"mask"`` (additive key mask built once per
             forward) or ``"none"`` (no padding). Padding is skipped when L is already aligned.
+            Default: the plan's mode, else ``"slice"``.
+        plan: a :class:`~wan_sharding.plan.ShardingPlan`; its mesh roles, padding and activation
+            layout apply (``layout="sharded"`` keeps D TP-sharded on every block's output).
+        anchor: keep the replicated constraint in front of each L-on-SP split (the tt-mlir
+            workaround). ``False`` exists only to show, on the real compiler, that it is needed.
 
     Returns:
         An :class:`SPHandle`; ``handle.remove()`` restores the model exactly.
@@ -124,11 +132,16 @@ def apply_dit_sp_activation_sharding(
     check_wan_model(dit)
     if dit in _APPLIED:
         raise ShardingError("sequence parallelism is already applied to this model; call handle.remove() first")
+    padding = padding or (plan.padding if plan is not None else DEFAULT_PADDING)
     if padding not in PADDING_MODES:
         raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_MODES)}")
+    # Roles (which axis is SP, which TP) come from the plan when there is one; the backend only
+    # needs the mesh's shape and axis names.
     mesh_spec = as_mesh_spec(mesh)
-    if mesh_spec.sp_axis is None:
-        raise ShardingError(f"mesh {mesh_spec} has no SP axis; give it roles={{'sp': <axis>, ...}}")
+    if plan is not None:
+        if (mesh_spec.shape, mesh_spec.axis_names) != (plan.mesh_shape, plan.axis_names):
+            raise ShardingError(f"plan is for mesh {plan.mesh()}, not {mesh_spec}")
+        mesh_spec = plan.mesh()
     be = get_backend(backend, mesh)  # checks the stack and the device count before any change
     modules = dict(dit.named_modules())
     for point in WAN_SP_PLAN:
@@ -146,10 +159,14 @@ def apply_dit_sp_activation_sharding(
         # tt-mlir fails to retype that reshape ("number of output elements doesn't match").
         # Anchored, the split lands after the reshape as one clean scatter. Padding sits between
         # the two, on the replicated tensor.
-        x = be.constrain(x, (None,) * x.ndim)
+        if sp_axis is None:  # TP-only plan: tile padding, no SP constraint
+            return _pad_dim(x, dim, padded_length(x.shape[dim], multiple))
+        if anchor:
+            x = be.constrain(x, (None,) * x.ndim)
         x = _pad_dim(x, dim, padded_length(x.shape[dim], multiple))
         return be.constrain(x, _sp_spec(x.ndim, dim, sp_axis))
 
+    split = f"{'replicated -> ' if anchor else ''}pad -> L-on-{sp_axis}"
     for point in WAN_SP_PLAN:
         module = modules[point.module]
         if isinstance(point, SPSplit) and point.arg is None:  # rope: split both output tables
@@ -157,7 +174,7 @@ def apply_dit_sp_activation_sharding(
                 return tuple(shard_tokens(t, dim) for t in out)
 
             handle._hooks.append(module.register_forward_hook(rope_hook))
-            handle.points.append(f"{point.module} outputs: replicated -> pad -> L-on-{sp_axis}")
+            handle.points.append(f"{point.module} outputs: {split}")
         elif isinstance(point, SPSplit):  # block-stack entry
             def entry_hook(mod, args, kwargs, dim=point.dim, arg=point.arg):
                 x = kwargs[arg] if arg in kwargs else args[0]
@@ -171,10 +188,11 @@ def apply_dit_sp_activation_sharding(
                 return (x, *args[1:]), kwargs
 
             handle._hooks.append(module.register_forward_pre_hook(entry_hook, with_kwargs=True))
-            handle.points.append(f"{point.module}.{point.arg}: replicated -> pad -> L-on-{sp_axis}")
+            handle.points.append(f"{point.module}.{point.arg}: {split}")
         elif isinstance(point, SPGather):  # exit: back to replicated, then drop the padding
             def exit_hook(mod, args, out, dim=point.dim):
-                out = be.constrain(out, (None,) * out.ndim)
+                if sp_axis is not None:
+                    out = be.constrain(out, (None,) * out.ndim)
                 return out.narrow(dim, 0, state.valid_len) if state.padded else out
 
             handle._hooks.append(module.register_forward_hook(exit_hook))
@@ -190,6 +208,13 @@ def apply_dit_sp_activation_sharding(
         return (_pad_dim(temb, 1, to), _pad_dim(proj, 1, to), *rest)
 
     handle._hooks.append(modules["condition_embedder"].register_forward_hook(cond_hook, with_kwargs=True))
+
+    if plan is not None and plan.layout == "sharded" and mesh_spec.tp_axis is not None:
+        # tt-metal's layout: the residual stream stays TP-sharded on D between blocks.
+        residual = (None, sp_axis, mesh_spec.tp_axis)
+        for block in dit.blocks:
+            handle._hooks.append(block.register_forward_hook(lambda mod, args, out: be.constrain(out, residual)))
+        handle.points.append(f"blocks.* outputs: D-on-{mesh_spec.tp_axis}")
 
     mode_cls = PADDING_MODES[padding]
     if mode_cls is not None:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .plan import DEFAULT_PADDING  # noqa: F401  (re-exported beside the modes)
+
 
 @dataclass
 class ForwardState:
@@ -124,4 +126,3 @@ PADDING_MODES: dict[str, type[_PaddedAttention] | None] = {
     "mask": MaskPaddedKeys,
     "none": None,  # no padding at all: per-device token counts may not be tile-aligned
 }
-DEFAULT_PADDING = "slice"

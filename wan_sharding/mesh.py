@@ -53,12 +53,15 @@ class MeshError(ValueError):
 class MeshSpec:
     """A 2-D logical mesh: ``shape[i]`` devices along axis ``axis_names[i]``.
 
-    ``roles`` maps the parallelism roles ``"sp"`` and ``"tp"`` to axis names.
+    ``roles`` maps the parallelism roles ``"sp"`` and ``"tp"`` to an axis name, a tuple of axis
+    names (the role spans several axes, e.g. TP 8 over both axes of a 2x4 mesh) or ``None``
+    (the role is unused: size 1). Spec entries carry the role's value as it is, which both
+    ``xs.mark_sharding`` and JAX's ``PartitionSpec`` accept.
     """
 
     shape: tuple[int, ...]
     axis_names: tuple[str, ...] = DEFAULT_AXIS_NAMES
-    roles: Mapping[str, str] | None = None
+    roles: Mapping[str, str | tuple[str, ...] | None] | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(int(s) for s in self.shape)
@@ -74,14 +77,22 @@ class MeshSpec:
         roles = dict(self.roles) if self.roles is not None else {
             role: names[pos] for role, pos in DEFAULT_ROLES.items() if pos < len(names)
         }
-        for role, axis in roles.items():
+        used: list[str] = []
+        for role, axis in list(roles.items()):
             if role not in DEFAULT_ROLES:
                 raise MeshError(f"unknown role {role!r}; known roles: {sorted(DEFAULT_ROLES)}")
-            if axis is not None and axis not in names:
-                raise MeshError(
-                    f"role {role!r} names axis {axis!r}, which is not a mesh axis {names}; "
-                    "pass roles={'sp': <axis>, 'tp': <axis>} with names from axis_names"
-                )
+            if isinstance(axis, (list, tuple)):
+                axis = tuple(axis) if len(axis) != 1 else axis[0]
+                roles[role] = axis
+            for a in _axes(axis):
+                if a not in names:
+                    raise MeshError(
+                        f"role {role!r} names axis {a!r}, which is not a mesh axis {names}; "
+                        "pass roles={'sp': <axis>, 'tp': <axis>} with names from axis_names"
+                    )
+                if a in used:
+                    raise MeshError(f"mesh axis {a!r} is given two roles in {roles}")
+                used.append(a)
         object.__setattr__(self, "roles", roles)
 
     # ---- sizes -------------------------------------------------------------------------
@@ -92,19 +103,21 @@ class MeshSpec:
             n *= s
         return n
 
-    def axis_size(self, axis: str | None) -> int:
-        if axis is None:
-            return 1
-        if axis not in self.axis_names:
-            raise MeshError(f"unknown mesh axis {axis!r}; this mesh has axes {self.axis_names}")
-        return self.shape[self.axis_names.index(axis)]
+    def axis_size(self, axis: str | tuple[str, ...] | None) -> int:
+        """Devices along ``axis`` (a name, a tuple of names: their product, or None: 1)."""
+        size = 1
+        for a in _axes(axis):
+            if a not in self.axis_names:
+                raise MeshError(f"unknown mesh axis {a!r}; this mesh has axes {self.axis_names}")
+            size *= self.shape[self.axis_names.index(a)]
+        return size
 
     @property
-    def sp_axis(self) -> str | None:
+    def sp_axis(self) -> str | tuple[str, ...] | None:
         return self.roles.get("sp")
 
     @property
-    def tp_axis(self) -> str | None:
+    def tp_axis(self) -> str | tuple[str, ...] | None:
         return self.roles.get("tp")
 
     @property
@@ -127,6 +140,12 @@ class MeshSpec:
     def __str__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         return f"MeshSpec({self.name}: {axes}; sp={self.sp_axis}, tp={self.tp_axis})"
+
+
+def _axes(axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if axis is None:
+        return ()
+    return axis if isinstance(axis, tuple) else (axis,)
 
 
 def mesh_from_preset(name: str, axis_names: tuple[str, str] = DEFAULT_AXIS_NAMES,

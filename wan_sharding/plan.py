@@ -91,3 +91,74 @@ WAN_SP_PLAN: tuple[SPSplit | SPGather, ...] = (
 # Attention modules whose keys and values come from the video tokens (self-attention). These see
 # padded keys when L is padded and must keep attention exact.
 SELF_ATTENTION = "blocks.*.attn1"
+
+
+# ---- a whole sharding plan -----------------------------------------------------------------------
+DEFAULT_PADDING = "slice"  # the design seed's mode (wan_sharding.attention.PADDING_MODES has them all)
+LAYOUTS = ("replicated", "sharded")
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Everything that decides how one DiT is sharded on one mesh, as plain data.
+
+    - ``mesh_shape`` / ``axis_names``: the device mesh; ``sp_axes`` / ``tp_axes``: which mesh axes
+      carry sequence and tensor parallelism (empty: that role is unused). Axis order is part of the
+      plan: the same degrees on different axes land on different physical links.
+    - ``fsdp``: also shard every large weight over the SP axes (FSDP-style, gathered before use), so
+      that both A14B experts fit on a 12 GB Wormhole chip.
+    - ``layout``: the activation between Megatron pairs: ``"replicated"`` D (the seed's state A) or
+      ``"sharded"`` D (tt-metal's: kept TP-sharded between blocks).
+    - ``padding``: how the token dim is padded and attention kept exact.
+
+    ``shard_dit_specs(dit, plan.mesh(), fsdp=plan.fsdp)`` and ``apply_dit_sp_activation_sharding(dit,
+    plan.mesh(), plan=plan)`` apply it; ``save``/``load`` write it as JSON.
+    """
+
+    mesh_shape: tuple[int, ...] = (2, 4)
+    axis_names: tuple[str, ...] = ("sp", "tp")
+    sp_axes: tuple[str, ...] = ("sp",)
+    tp_axes: tuple[str, ...] = ("tp",)
+    fsdp: bool = False
+    layout: str = "replicated"
+    padding: str = DEFAULT_PADDING
+
+    def __post_init__(self) -> None:
+        for name in ("mesh_shape", "axis_names", "sp_axes", "tp_axes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS}")
+
+    def mesh(self):
+        """The :class:`~wan_sharding.mesh.MeshSpec` with this plan's roles."""
+        from .mesh import MeshSpec
+
+        role = lambda axes: None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))  # noqa: E731
+        return MeshSpec(self.mesh_shape, self.axis_names, {"sp": role(self.sp_axes), "tp": role(self.tp_axes)})
+
+    @property
+    def name(self) -> str:
+        m = self.mesh()
+        axes = lambda a: "+".join(a) or "-"  # noqa: E731
+        return (f"{m.name} sp{m.sp}[{axes(self.sp_axes)}] tp{m.tp}[{axes(self.tp_axes)}]"
+                f"{' fsdp' if self.fsdp else ''} {self.layout}-D {self.padding}")
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "ShardingPlan":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    def save(self, path) -> None:
+        import json
+        from pathlib import Path
+
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "ShardingPlan":
+        import json
+        from pathlib import Path
+
+        return cls.from_dict(json.loads(Path(path).read_text()))

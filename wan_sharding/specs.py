@@ -74,7 +74,23 @@ def resolve_styles(dit: torch.nn.Module, plan: Mapping[str, str] = WAN_TP_PLAN) 
     return styles
 
 
-def _spec_for(style: str, shape: torch.Size, tp: str | None, leaf: str) -> Spec:
+# FSDP shards only weights at least this large: small ones (norms, biases, tables) cost more in
+# gathers than they save in memory.
+FSDP_MIN_NUMEL = 1 << 20
+
+
+def _add_fsdp(spec: Spec, shape: torch.Size, mesh: MeshSpec) -> Spec:
+    """Also split the first free dim that the SP axes divide (weights gathered before use)."""
+    sp = mesh.sp_axis
+    if sp is None or mesh.sp == 1 or shape.numel() < FSDP_MIN_NUMEL:
+        return spec
+    for dim, axis in enumerate(spec):
+        if axis is None and shape[dim] % mesh.sp == 0:
+            return spec[:dim] + (sp,) + spec[dim + 1:]
+    return spec
+
+
+def _spec_for(style: str, shape: torch.Size, tp: Any) -> Spec:
     ndim = len(shape)
     replicated = (None,) * ndim
     if style == REPLICATE or tp is None:
@@ -137,6 +153,17 @@ class ShardSpecs(Mapping):
     def styles(self) -> dict[str, str]:
         return {n: st for n, _, _, st in self._entries}
 
+    def bytes_per_device(self, dtype_bytes: int | None = None) -> int:
+        """Weight bytes one device holds under these specs (``dtype_bytes`` overrides the
+        parameters' own element size, e.g. 2 for a bf16 deployment of a meta model)."""
+        total = 0
+        for _, t, spec, _ in self._entries:
+            split = 1
+            for axis in spec:
+                split *= self.mesh.axis_size(axis)
+            total += -(-t.numel() // split) * (dtype_bytes or t.element_size())
+        return total
+
     def counts(self) -> dict[str, int]:
         """How many parameters each style got, e.g. ``{'colwise': 28, 'rowwise': 14, ...}``."""
         out = {s: 0 for s in (COLWISE, ROWWISE, NORM_COLWISE, REPLICATE)}
@@ -153,14 +180,17 @@ class ShardSpecs(Mapping):
     __repr__ = __str__
 
 
-def shard_dit_specs(dit: torch.nn.Module, mesh: Any, plan: Mapping[str, str] = WAN_TP_PLAN) -> ShardSpecs:
+def shard_dit_specs(dit: torch.nn.Module, mesh: Any, plan: Mapping[str, str] = WAN_TP_PLAN, *,
+                    fsdp: bool = False) -> ShardSpecs:
     """Megatron tensor-parallel partition specs for every parameter of a Wan DiT.
 
     Args:
         dit: a diffusers ``WanTransformer3DModel`` (real weights or on the ``meta`` device).
-        mesh: a preset name (``"1x4"``, ``"2x4"``, ``"8x4"``), a :class:`MeshSpec`, or a torch-xla /
-            JAX mesh. The TP role's axis carries the split.
-        plan: module-path pattern -> style (defaults to :data:`WAN_TP_PLAN`).
+        mesh: a preset name (``"1x4"``, ``"2x4"``, ``"8x4"``), a :class:`MeshSpec`, a torch-xla /
+            JAX mesh, or a :class:`~wan_sharding.plan.ShardingPlan`. The TP role's axis carries the split.
+        plan: module-path pattern -> style (defaults to :data:`WAN_TP_PLAN`), or a whole
+            :class:`~wan_sharding.plan.ShardingPlan` (its mesh roles and ``fsdp`` then apply).
+        fsdp: also shard each large weight over the SP axes (FSDP-style), see ``ShardingPlan``.
 
     Returns:
         :class:`ShardSpecs`, a mapping from each parameter tensor to its spec.
@@ -169,13 +199,23 @@ def shard_dit_specs(dit: torch.nn.Module, mesh: Any, plan: Mapping[str, str] = W
         ShardingError: not a Wan model, heads or a sharded dim not divisible by TP, or a parameter
             the plan does not cover. Nothing is changed on the model.
     """
+    from .plan import ShardingPlan
+
     check_wan_model(dit)
+    if isinstance(mesh, ShardingPlan):  # shard_dit_specs(dit, plan)
+        mesh, plan = mesh.mesh(), mesh
+    if isinstance(plan, ShardingPlan):
+        if as_mesh_spec(mesh).shape != plan.mesh_shape:
+            raise ShardingError(f"plan is for mesh {plan.mesh().name}, not {as_mesh_spec(mesh).name}")
+        mesh, fsdp, plan = plan.mesh(), plan.fsdp or fsdp, WAN_TP_PLAN
     mesh = as_mesh_spec(mesh)
     _check_heads(dit, mesh)
     styles = resolve_styles(dit, plan)
     entries = []
     for name, param in dit.named_parameters():
-        spec = _spec_for(styles[name], param.shape, mesh.tp_axis, name.rpartition(".")[2])
+        spec = _spec_for(styles[name], param.shape, mesh.tp_axis)
+        if fsdp:
+            spec = _add_fsdp(spec, param.shape, mesh)
         _check_divisible(name, param.shape, spec, mesh)
         entries.append((name, param, spec, styles[name]))
     return ShardSpecs(entries, mesh)

@@ -1,0 +1,88 @@
+"""Compile worker: ``python -m wan_sharding.compile.worker < batch.json``.
+
+Reads ``{"requests": [{"index": i, ...CompileRequest fields}], "results_file": path}`` from stdin,
+compiles each request in this process (see :func:`wan_sharding.compile.lowering.compile_in_process`)
+and appends one JSON line per request to ``results_file``. Between begin/end marks in the log it
+prints what the compiler printed for that request, so the caller can pick out the diagnostics.
+
+Started by :func:`wan_sharding.compile.lowering.compile_many` with ``TT_COMPILE_ONLY_SYSTEM_DESC``
+already set; run by hand only with that variable set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import traceback
+
+
+def _start() -> list:
+    """Start the plugin (``jax.devices()``) and import torch, torchax and diffusers side by side.
+
+    The plugin spends most of its ~9 s start-up waiting, not computing, so overlapping it with the
+    CPU-bound imports (~10 s, diffusers pulls in every transformer module) saves a few seconds per
+    worker. Up front, so a broken plugin fails before any request is marked as started.
+    """
+    box: dict = {}
+
+    def init() -> None:
+        try:
+            import jax
+
+            box["devices"] = jax.devices()
+        except BaseException as e:  # re-raised in the main thread
+            box["error"] = e
+
+    thread = threading.Thread(target=init, name="tt-plugin-start")
+    thread.start()
+    import diffusers  # noqa: F401
+    import torch  # noqa: F401
+    import torchax  # noqa: F401
+    from diffusers import WanTransformer3DModel  # noqa: F401
+
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["devices"]
+
+
+def main() -> int:
+    if "jax" in sys.modules:  # pragma: no cover - defensive: the variable must precede JAX
+        print("wan_sharding.compile.worker: jax was imported before the worker started", file=sys.stderr)
+        return 2
+    desc = os.environ.get("TT_COMPILE_ONLY_SYSTEM_DESC")
+    if not desc or not os.path.exists(desc):
+        print(
+            "wan_sharding.compile.worker: TT_COMPILE_ONLY_SYSTEM_DESC must name an existing system descriptor "
+            f"(got {desc!r}); write one with `wan-sharding sysdesc` or use wan_sharding.compile.lowering.compile_many",
+            file=sys.stderr,
+        )
+        return 2
+    batch = json.load(sys.stdin)
+    devices = _start()
+    print(f"wan_sharding.compile.worker: {len(devices)} {devices[0].platform} devices", flush=True)
+    from .lowering import BEGIN_MARK, END_MARK, CompileRequest, compile_in_process
+
+    with open(batch["results_file"], "a") as results:
+        for raw in batch["requests"]:
+            raw = dict(raw)
+            index = raw.pop("index")
+            req = CompileRequest.from_json(raw)
+            print(f"{BEGIN_MARK}{index} {req.label()}", flush=True)
+            try:
+                out = compile_in_process(req)
+            except Exception as e:  # a setup error (not a compiler rejection): report, go on
+                traceback.print_exc()
+                out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}
+            sys.stdout.flush()
+            sys.stderr.flush()
+            print(f"{END_MARK}{index}", flush=True)
+            results.write(json.dumps({"index": index, **out}) + "\n")
+            results.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
