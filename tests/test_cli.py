@@ -25,5 +25,5 @@ def test_default_job_prints_pcc_per_mesh_and_backend():
                            "--lengths", "padded"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("jax "))
-    assert "105->128" in row and "slice" in row and "FAIL" not in row
+    assert "105->128" in row and " mask " in row and "FAIL" not in row
     assert "all within PCC threshold" in proc.stdout

@@ -40,6 +40,9 @@ BATCH = {
     **{f"{m}/slice/{n}": _proxy(m, n) for m in MESHES for n in (1, 2)},
     **{f"{m}/none/2": _proxy(m, 2, "none") for m in ("2x4", "8x4")},
     **{f"{m}/none/2/no-anchor": _proxy(m, 2, "none", anchor=False) for m in ("2x4", "8x4")},
+    # padding cost on Galaxy: the mask mode and the unpadded graph at both depths
+    "8x4/mask/1": _proxy("8x4", 1, "mask"), "8x4/mask/2": _proxy("8x4", 2, "mask"),
+    "8x4/none/1": _proxy("8x4", 1, "none"),
 }
 
 
@@ -167,6 +170,20 @@ def test_compile_command_json_and_exit_code(tmp_path: Path, capsys: pytest.Captu
     assert report["tile_aligned"] is False and report["token_dims"] == [6]
     assert report["ops"]["mesh_partition"] == 4
     assert (tmp_path / "report.json").exists()
+    assert report["padding_ops_per_block"] == {} and report["padding_ops_per_forward"] == {}
+
+
+@needs_plugin
+def test_compile_command_padding_mode_reports_what_padding_adds(capsys: pytest.CaptureFixture[str]) -> None:
+    # 48 tokens -> 256 on SP 8 with the key mask: aligned, bill as designed, nothing added per block.
+    args = _parse(["compile", "--size", "tiny", "--latent", "3,8,8", "--mesh", "8x4", "--blocks", "2",
+                   "--padding", "mask", "--json"])
+    rc = args.func(args)
+    report = json.loads(capsys.readouterr().out)
+    assert rc == EXIT_OK, report
+    assert report["padding"] == "mask" and report["tile_aligned"] is True and report["token_dims"] == [32]
+    assert report["padding_ops_per_block"] == {}
+    assert report["padding_ops_per_forward"].get("pad") == 3
 
 
 def test_compile_command_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
@@ -216,3 +233,21 @@ def test_parse_collectives_from_text() -> None:
     assert ttnn_ir.tile_alignment(mod, "1x4") == {"aligned": True, "token_dims": [], "misaligned": [], "checked": 0}
     with pytest.raises(ttnn_ir.IRError):
         ttnn_ir.TTNNModule.parse("module {}")
+
+
+# ------------------------------------------------------------------------------ padding cost
+
+
+@needs_plugin
+def test_mask_padding_adds_no_op_per_block_and_slice_adds_two_slices(compiled: dict[str, CompileResult]) -> None:
+    """The seed measured +2 ttnn.slice_static per block for its K/V slice-back; the key mask adds
+    nothing per block, and once per forward only the boundary pads and the small mask."""
+    mods = {k: _module(compiled[f"8x4/{k}"]) for k in ("slice/1", "slice/2", "mask/1", "mask/2", "none/1", "none/2")}
+    unpadded = (mods["none/1"], mods["none/2"])
+    slice_cost = ttnn_ir.padding_cost((mods["slice/1"], mods["slice/2"]), unpadded, (1, 2))
+    mask_cost = ttnn_ir.padding_cost((mods["mask/1"], mods["mask/2"]), unpadded, (1, 2))
+    assert slice_cost["per_block"].get("slice_static") == 2
+    assert mask_cost["per_block"] == {}
+    assert mask_cost["per_forward"].get("pad") == 3  # hidden states and both rope tables
+    assert mask_cost["per_forward"].get("slice_static") == 1  # the output back to L
+    assert sum(mask_cost["per_forward"].values()) < 25

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from .plan import DEFAULT_PADDING
+
 # Latent shapes of the embedded tiny cases. ``aligned``: 256 tokens, a multiple of SP*32 for every
 # preset up to SP 8. ``padded``: 105 tokens, padded to 128 (SP 1, 2) or 256 (SP 8).
 CASE_LATENTS = {"aligned": (1, 32, 32), "padded": (3, 10, 14)}
@@ -30,7 +32,7 @@ class Case:
     variant: str = "t2v-a14b"
     length: str = "padded"  # a key of CASE_LATENTS, or "F,H,W"
     dtype: str = "fp32"
-    padding: str = "slice"
+    padding: str = DEFAULT_PADDING
 
     @property
     def key(self) -> str:

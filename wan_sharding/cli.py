@@ -79,6 +79,7 @@ def _meshes(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .attention import PADDING_MODES
+    from .plan import DEFAULT_PADDING
     from .models import VARIANTS
 
     ap = argparse.ArgumentParser(prog="wan-sharding", description=__doc__.split("\n\n")[0])
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--lengths", nargs="+", default=["aligned", "padded"],
                        help="'aligned' (256 tokens), 'padded' (105 tokens) or a latent shape F,H,W")
     check.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    check.add_argument("--padding", default="slice", choices=sorted(PADDING_MODES))
+    check.add_argument("--padding", default=DEFAULT_PADDING, choices=sorted(PADDING_MODES))
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=_check)
 
@@ -115,7 +116,7 @@ def _extensions() -> list[Callable[[Any], None]]:
     import importlib
     import importlib.util
 
-    modules = ["wan_sharding.compile.commands"]
+    modules = ["wan_sharding.compile.commands", "wan_sharding.pipeline_commands", "wan_sharding.planner.commands"]
     return [importlib.import_module(m).add_subcommands for m in modules if importlib.util.find_spec(m)]
 
 

@@ -94,7 +94,9 @@ SELF_ATTENTION = "blocks.*.attn1"
 
 
 # ---- a whole sharding plan -----------------------------------------------------------------------
-DEFAULT_PADDING = "slice"  # the design seed's mode (wan_sharding.attention.PADDING_MODES has them all)
+# The key mask: it keeps attention exact with no op per block, where the seed's K/V slice-back adds
+# two slices to every block (measured in results/padding.json; wan_sharding.attention has the modes).
+DEFAULT_PADDING = "mask"
 LAYOUTS = ("replicated", "sharded")
 
 

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from ..mesh import PRESETS, MeshError, mesh_from_preset
 from ..models import RESOLUTIONS, VARIANTS
+from ..plan import DEFAULT_PADDING
 from . import sysdesc, ttnn_ir
 from .lowering import CompileError, CompileRequest, CompileResult, compile_many, latent_for
 
@@ -85,14 +86,45 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
 
 def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0", *, timeout: float = 3600.0,
                     work_dir: str | Path | None = None, verbose: bool = False) -> list[dict[str, Any]]:
-    """Compile each request and its shallow twin in one worker batch; one report per request."""
-    base_reqs = []
+    """Compile each request and its shallow twin in one worker batch; one report per request.
+
+    A padded request also gets the same two depths compiled unpadded, so the report can name
+    the ops that are there only because of padding (``padding_ops_per_block`` / ``_per_forward``).
+    """
+    def twin(r: CompileRequest, suffix: str, **changes: Any) -> CompileRequest:
+        out = None if r.out_dir is None else str(Path(r.out_dir).with_name(Path(r.out_dir).name + suffix))
+        return dataclasses.replace(r, out_dir=out, **changes)
+
+    groups = []
     for r in requests:
-        base_dir = None if r.out_dir is None else str(Path(r.out_dir).with_name(Path(r.out_dir).name + "_base"))
-        base_reqs.append(dataclasses.replace(r, blocks=base_depth(r.num_blocks), out_dir=base_dir))
-    results = compile_many([*requests, *base_reqs], arch, timeout=timeout, work_dir=work_dir, verbose=verbose)
-    n = len(requests)
-    return [build_report(results[i], results[n + i]) for i in range(n)]
+        group = [r, twin(r, "_base", blocks=base_depth(r.num_blocks))]
+        if r.padding != "none":
+            group += [twin(g, "_unpadded", padding="none") for g in group]
+        groups.append(group)
+    flat = [g for group in groups for g in group]
+    results = iter(compile_many(flat, arch, timeout=timeout, work_dir=work_dir, verbose=verbose))
+    reports = []
+    for group in groups:
+        res = [next(results) for _ in group]
+        report = build_report(res[0], res[1])
+        if len(res) == 4:
+            report.update(padding_report(res[:2], res[2:]))
+        else:  # unpadded: nothing is there because of padding
+            report.update(padding_ops_per_block={}, padding_ops_per_forward={})
+        reports.append(report)
+    return reports
+
+
+def padding_report(padded: Sequence[CompileResult], unpadded: Sequence[CompileResult]) -> dict[str, Any]:
+    """What padding adds against the same graph unpadded (both at the same two depths)."""
+    if not all(r.ok for r in [*padded, *unpadded]):
+        failed = [r for r in [*padded, *unpadded] if not r.ok]
+        return {"padding_ops_per_block": None, "padding_ops_per_forward": None,
+                "padding_note": f"no comparison: {failed[0].request.label()} did not compile ({failed[0].error})"}
+    mods = [ttnn_ir.TTNNModule.from_file(r.ttnn_path) for r in [*padded, *unpadded]]
+    depths = (padded[1].request.num_blocks, padded[0].request.num_blocks)
+    cost = ttnn_ir.padding_cost((mods[1], mods[0]), (mods[3], mods[2]), depths)
+    return {"padding_ops_per_block": cost["per_block"], "padding_ops_per_forward": cost["per_forward"]}
 
 
 def report_exit_code(report: dict[str, Any]) -> int:
@@ -142,6 +174,14 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
         lines.append(f"  = {tot['large']:g} large + {tot['small']:g} small per block")
     design = ", ".join(f"{n} {k.replace('/', ' ')}" for k, n in report["design"].items())
     lines.append(f"design: {design}")
+    if "padding_ops_per_block" in report:
+        fmt = lambda d: ", ".join(f"{k} {v:+g}" for k, v in d.items()) or "none"  # noqa: E731
+        if report["padding_ops_per_block"] is None:
+            lines.append(f"padding cost: {report['padding_note']}")
+        else:
+            lines.append(f"ops only there because of padding ({report['padding']} vs unpadded), deallocations "
+                         f"left out: per block: {fmt(report['padding_ops_per_block'])}; once per forward: "
+                         f"{fmt(report['padding_ops_per_forward'])}")
     if report["bill_ok"]:
         lines.append("bill: OK (matches the design)")
     else:
@@ -240,7 +280,8 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("--blocks", type=int, default=None, help="transformer blocks (default: all of the variant's)")
     c.add_argument("--size", choices=["full", "tiny"], default="full", help="real widths or the tiny test config")
     c.add_argument("--arch", choices=archs, default="wormhole_b0")
-    c.add_argument("--padding", choices=["slice", "mask", "none"], default="slice")
+    c.add_argument("--padding", choices=["slice", "mask", "none"], default=DEFAULT_PADDING,
+                   help=f"how the token dim is padded to SP x 32 (default {DEFAULT_PADDING})")
     c.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     c.add_argument("--batch", type=int, default=1)
     c.add_argument("--no-anchor", action="store_true",

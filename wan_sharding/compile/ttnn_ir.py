@@ -413,3 +413,41 @@ def format_bytes(n: float) -> str:
 def select_ops(hist: Mapping[str, int], names: Iterable[str] = REPORTED_OPS) -> dict[str, int]:
     """The named ops of a histogram, zeros included (so a missing op reads as 0, not as absent)."""
     return {n: int(hist.get(n, 0)) for n in names}
+
+
+# --------------------------------------------------------------------------- what padding costs
+
+# Ops that only move data (no arithmetic): what a padding mode may add.
+DATA_MOVEMENT_OPS = ("slice_static", "pad", "concat", "reshape", "permute", "repeat", "to_layout",
+                     "typecast", "where", "full", "rows_scatter", "embedding", "transpose")
+
+
+def split_ops(shallow: TTNNModule, deep: TTNNModule, shallow_blocks: int, deep_blocks: int,
+              skip: Iterable[str] = ("deallocate",)) -> tuple[dict[str, float], dict[str, float]]:
+    """``(per_block, per_forward)`` op counts: per block from the difference of two depths, per
+    forward what the shallow graph has beyond its blocks. Deallocations are left out."""
+    drop, n = set(skip), deep_blocks - shallow_blocks
+    per_block, per_forward = {}, {}
+    for name in (set(shallow.ops) | set(deep.ops)) - drop:
+        b = (deep.ops[name] - shallow.ops[name]) / n
+        f = shallow.ops[name] - shallow_blocks * b
+        if b:
+            per_block[name] = int(b) if b == int(b) else round(b, 3)
+        if f:
+            per_forward[name] = int(f) if f == int(f) else round(f, 3)
+    return per_block, per_forward
+
+
+def _minus(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    out = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: -abs(kv[1])) if v}
+
+
+def padding_cost(padded: tuple[TTNNModule, TTNNModule], unpadded: tuple[TTNNModule, TTNNModule],
+                 blocks: tuple[int, int]) -> dict[str, dict[str, float]]:
+    """Ops present only because of padding: the padded graph against the same graph unpadded, each
+    compiled at the two depths ``blocks`` (shallow, deep). Per-block and per-forward op-count
+    differences; a negative count is an op the padded graph has fewer of."""
+    pb_pad, pf_pad = split_ops(*padded, *blocks)
+    pb_raw, pf_raw = split_ops(*unpadded, *blocks)
+    return {"per_block": _minus(pb_pad, pb_raw), "per_forward": _minus(pf_pad, pf_raw)}
