@@ -122,3 +122,16 @@ def test_eager_call_with_jax_hooks_explains_itself():
     with pytest.raises(BackendError, match="only inside a torchax trace"):
         _eager(dit, dit_inputs("t2v-a14b", PADDED))
     handle.remove()
+
+
+def test_no_diffusers_class_is_modified():
+    from diffusers.models.transformers import transformer_wan as tw
+
+    classes = (tw.WanTransformer3DModel, tw.WanTransformerBlock, tw.WanAttention, tw.WanAttnProcessor,
+               tw.WanRotaryPosEmbed, tw.WanTimeTextImageEmbedding)
+    before = {c: dict(vars(c)) for c in classes}
+    dit = build_dit("t2v-a14b")
+    handle, _ = _sharded(dit, dit_inputs("t2v-a14b", PADDED), padding="mask")
+    assert {c: dict(vars(c)) for c in classes} == before
+    handle.remove()
+    assert {c: dict(vars(c)) for c in classes} == before
