@@ -293,14 +293,3 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("-v", "--verbose", action="store_true", help="echo the compiler log")
     c.set_defaults(func=_cmd_compile)
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry for these two commands (``python -m wan_sharding.compile.commands``)."""
-    parser = argparse.ArgumentParser(prog="wan-sharding")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

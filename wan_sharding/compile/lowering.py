@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..mesh import MeshError, mesh_from_preset
+from ..mesh import MeshError, MeshSpec, mesh_from_preset
 from ..models import FULL_CONFIGS, PER_TOKEN_TIMESTEPS, PROMPT_TOKENS, RESOLUTIONS, config_for
+from ..plan import ShardingPlan
 from . import sysdesc
 
 # Lines the worker writes into its log (stdout and stderr merged) so the caller can cut out the
@@ -76,6 +77,12 @@ class CompileRequest:
         batch: batch size.
         resolution: display name of ``latent`` (e.g. ``"480p"``); informational.
         out_dir: where the compiler writes its IRs; a fresh temporary folder when ``None``.
+        plan: a whole :class:`~wan_sharding.plan.ShardingPlan` (axes and order of SP / TP, FSDP,
+            activation layout, padding). When given, the model is sharded through the ordinary
+            API with it (``shard_dit_specs(dit, plan)``, ``apply_dit_sp_activation_sharding(...,
+            plan=plan)``); ``mesh`` must then be the plan's mesh name and ``padding`` its padding
+            (:meth:`for_plan` fills both). ``None``: the preset's default roles (SP on the first
+            axis, TP on the second), as before.
     """
 
     variant: str = "t2v-a14b"
@@ -90,16 +97,42 @@ class CompileRequest:
     batch: int = 1
     resolution: str | None = None
     out_dir: str | None = None
+    plan: ShardingPlan | None = None
+
+    @classmethod
+    def for_plan(cls, plan: ShardingPlan, **fields: Any) -> "CompileRequest":
+        """A request that compiles the DiT sharded by ``plan`` (its mesh and padding filled in)."""
+        return cls(mesh=plan.mesh().name, padding=plan.padding, plan=plan, **fields)
+
+    def mesh_spec(self) -> MeshSpec:
+        """The mesh with its roles: the plan's when there is one, else the preset's."""
+        if self.plan is not None:
+            return self.plan.mesh()
+        return mesh_from_preset(self.mesh)
 
     def validate(self) -> "CompileRequest":
         """Check every field before a subprocess is started; returns ``self``."""
         from ..attention import PADDING_MODES
 
         config_for(self.variant, self.size)  # unknown variant / size -> ValueError
-        try:
-            mesh_from_preset(self.mesh)
-        except MeshError as e:
-            raise CompileError(str(e)) from None
+        if self.plan is not None:
+            if not isinstance(self.plan, ShardingPlan):
+                raise CompileError(f"plan must be a ShardingPlan, got {type(self.plan).__name__}")
+            try:
+                name = self.plan.mesh().name
+            except MeshError as e:
+                raise CompileError(f"bad plan {self.plan}: {e}") from None
+            if name != self.mesh:
+                raise CompileError(f"request mesh {self.mesh!r} is not the plan's mesh {name!r}; "
+                                   "build the request with CompileRequest.for_plan(plan, ...)")
+            if self.plan.padding != self.padding:
+                raise CompileError(f"request padding {self.padding!r} is not the plan's {self.plan.padding!r}; "
+                                   "build the request with CompileRequest.for_plan(plan, ...)")
+        else:
+            try:
+                mesh_from_preset(self.mesh)
+            except MeshError as e:
+                raise CompileError(str(e)) from None
         if len(self.latent) != 3 or any(int(v) < 1 for v in self.latent):
             raise CompileError(f"latent must be (frames, height, width) with positive sizes, got {self.latent}")
         patch = FULL_CONFIGS[self.variant]["patch_size"]
@@ -119,7 +152,7 @@ class CompileRequest:
 
     @property
     def num_devices(self) -> int:
-        return mesh_from_preset(self.mesh).num_devices
+        return self.mesh_spec().num_devices
 
     @property
     def num_blocks(self) -> int:
@@ -134,17 +167,22 @@ class CompileRequest:
     def label(self) -> str:
         lat = self.resolution or "x".join(map(str, self.latent))
         extra = "" if self.anchor else " no-anchor"
+        if self.plan is not None:
+            return f"{self.variant}/{self.size} {self.num_blocks}blk {lat} plan [{self.plan.name}]{extra}"
         return f"{self.variant}/{self.size} {self.num_blocks}blk {self.mesh} {lat} pad={self.padding}{extra}"
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["latent"] = list(self.latent)
+        d["plan"] = None if self.plan is None else self.plan.to_dict()
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "CompileRequest":
         d = dict(d)
         d["latent"] = tuple(int(v) for v in d["latent"])
+        if d.get("plan") is not None:
+            d["plan"] = ShardingPlan.from_dict(d["plan"])
         return cls(**d)
 
 
@@ -485,7 +523,7 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
     from ..specs import shard_dit_specs
 
     t0 = time.perf_counter()
-    mesh = mesh_from_preset(req.mesh)
+    mesh = req.mesh_spec()
     devices = jax.devices()
     if devices[0].platform != "tt":
         raise CompileError(
@@ -496,9 +534,11 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
     dtype = torch.bfloat16 if req.dtype == "bf16" else torch.float32
     overrides = {} if req.blocks is None else {"num_layers": req.blocks}
     dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides)
-    specs = shard_dit_specs(dit, mesh)
+    # With a plan: the ordinary API, given the plan (its roles, FSDP, layout and padding apply).
+    specs = shard_dit_specs(dit, req.plan) if req.plan is not None else shard_dit_specs(dit, mesh)
     backend = JaxBackend(mesh, devices=list(devices[: mesh.num_devices]))
-    handle = apply_dit_sp_activation_sharding(dit, mesh, backend=backend, padding=req.padding, anchor=req.anchor)
+    handle = apply_dit_sp_activation_sharding(dit, mesh, backend=backend, padding=req.padding, plan=req.plan,
+                                              anchor=req.anchor)
     try:
         # dtype=None: each weight keeps the dtype the meta model has (bf16, fp32 where diffusers
         # keeps fp32); float64 rope tables become float32.

@@ -1,0 +1,174 @@
+"""Candidate sharding plans for one mesh, and the legality filters applied before any costing.
+
+A candidate is a :class:`~wan_sharding.plan.ShardingPlan`: which mesh axes (and in which order)
+carry SP and which TP (each role: none, one axis, or both), FSDP over the SP axes or not, the
+activation layout between Megatron pairs, and the padding mode. Filters, each leaving a reason:
+
+- TP must divide the head count (whole heads per chip; 40 for A14B, 24 for TI2V-5B), and D / TP
+  and FFN / TP must be whole 32-wide tiles;
+- without padding, the per-chip token count L / SP must be whole tiles (the hardware rejects the
+  scatter otherwise); with padding (``slice`` / ``mask``) any SP is legal. Padding is only a
+  candidate where it changes something (SP > 1 and L not already a multiple of SP x 32);
+- ``shard_dit_specs`` must accept the plan on the real (meta-device) model;
+- the per-chip memory estimate, both A14B experts included, must fit the chip's DRAM.
+
+Plans that differ only in the order of the axes inside a role are kept once: tt-mlir lowers a
+role spanning two axes to one collective per axis in mesh order whatever the plan's order (seen
+for TP 8 over both axes of 2x4: the same TTNN collectives for either order), so they cost the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import permutations
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from ..mesh import TILE
+from ..plan import LAYOUTS, ShardingPlan
+from .workload import Memory, Workload, memory_per_chip
+
+if TYPE_CHECKING:  # only for annotations: both modules import this one
+    from .compiled import CompiledEstimate
+    from .search import Estimate
+
+AXIS_NAMES = ("rows", "cols")  # the physical mesh axes, in order: the plan's axis names
+
+
+@dataclass
+class Candidate:
+    """One plan and what the planner learnt about it. ``reason`` is why it is out (empty: legal)."""
+
+    plan: ShardingPlan
+    reason: str = ""
+    duplicate_of: str | None = None
+    idle_axes: tuple[str, ...] = ()
+    memory: Memory | None = None
+    analytic: "Estimate | None" = None  # stage 1
+    compiled: "CompiledEstimate | None" = None  # stage 2 (None: not compiled)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def legal(self) -> bool:
+        return not self.reason and self.duplicate_of is None
+
+    @property
+    def sp(self) -> int:
+        return self.plan.mesh().sp
+
+    @property
+    def tp(self) -> int:
+        return self.plan.mesh().tp
+
+
+def role_options(shape: Sequence[int], names: Sequence[str] = AXIS_NAMES) -> list[tuple[str, ...]]:
+    """Axis tuples one role can take: none, each axis of size > 1, and every order of several."""
+    usable = [n for n, s in zip(names, shape) if s > 1]
+    out: list[tuple[str, ...]] = [()]
+    for k in range(1, len(usable) + 1):
+        for combo in permutations(usable, k):
+            out.append(tuple(combo))
+    return out
+
+
+def padding_options(work: Workload, sp: int) -> list[str]:
+    """``["none"]`` when padding would change nothing, else the two exact padding modes (plus
+    ``none`` so that the planner can say why it is out)."""
+    if sp == 1 or work.tokens % (sp * TILE) == 0:
+        return ["none"]
+    return ["mask", "slice", "none"]
+
+
+def enumerate_plans(work: Workload, mesh_shape: Sequence[int], names: Sequence[str] = AXIS_NAMES) -> list[ShardingPlan]:
+    """Every assignment of mesh axes to SP and TP with the FSDP, layout and padding choices that
+    apply to it (FSDP only with SP > 1, a layout choice only with TP > 1)."""
+    shape = tuple(int(s) for s in mesh_shape)
+    names = tuple(names[: len(shape)])
+    sizes = dict(zip(names, shape))
+    plans = []
+    for sp_axes in role_options(shape, names):
+        for tp_axes in role_options(shape, names):
+            if set(sp_axes) & set(tp_axes):
+                continue
+            sp = _prod(sizes[a] for a in sp_axes)
+            tp = _prod(sizes[a] for a in tp_axes)
+            for fsdp in ((False, True) if sp > 1 else (False,)):
+                for layout in (LAYOUTS if tp > 1 else ("replicated",)):
+                    for padding in padding_options(work, sp):
+                        plans.append(ShardingPlan(shape, names, sp_axes, tp_axes, fsdp, layout, padding))
+    return plans
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def signature(plan: ShardingPlan) -> tuple:
+    """What the compiled program depends on: axis sets per role (their order inside a role does
+    not change tt-mlir's collectives), FSDP, layout, padding."""
+    return (plan.mesh_shape, frozenset(plan.sp_axes), frozenset(plan.tp_axes), plan.fsdp, plan.layout, plan.padding)
+
+
+def structural_reason(work: Workload, plan: ShardingPlan) -> str:
+    """Why ``plan`` cannot run at all, from shapes alone (empty when it can)."""
+    m = plan.mesh()
+    sp, tp = m.sp, m.tp
+    if work.heads % tp:
+        return f"TP {tp} does not divide {work.heads} heads"
+    if (work.dim // tp) % TILE or work.dim % tp:
+        return f"D/TP = {work.dim}/{tp} is not whole {TILE}-wide tiles"
+    if work.ffn % tp or (work.ffn // tp) % TILE:
+        return f"FFN/TP = {work.ffn}/{tp} is not whole {TILE}-wide tiles"
+    if plan.padding == "none" and sp > 1 and work.tokens % (sp * TILE):
+        per = work.tokens / sp
+        return (f"unpadded: L/SP = {work.tokens}/{sp} = {per:g} tokens per chip is not whole tiles "
+                f"(the hardware rejects the scatter; use padding)")
+    return ""
+
+
+def build_candidates(work: Workload, mesh_shape: Sequence[int], dram_bytes: float,
+                     weight_bytes: Callable[[ShardingPlan], float], attention: str = "fused",
+                     names: Sequence[str] = AXIS_NAMES,
+                     keep: Callable[[ShardingPlan], bool] | None = None) -> list[Candidate]:
+    """All candidates for ``mesh_shape`` with legality decided.
+
+    ``dram_bytes`` is the per-chip budget. ``weight_bytes(plan)`` returns one expert's weight bytes
+    per chip under ``plan`` (the caller runs ``shard_dit_specs`` on a meta model); a ``ValueError``
+    from it makes the plan illegal. ``keep``: restrict the search to the plans it accepts.
+    """
+    out: list[Candidate] = []
+    seen: dict[tuple, str] = {}
+    for plan in enumerate_plans(work, mesh_shape, names):
+        if keep is not None and not keep(plan):
+            continue
+        cand = Candidate(plan)
+        used = set(plan.sp_axes) | set(plan.tp_axes)
+        cand.idle_axes = tuple(a for a, s in zip(plan.axis_names, plan.mesh_shape) if s > 1 and a not in used)
+        sig = signature(plan)
+        if sig in seen:
+            cand.duplicate_of = seen[sig]
+            out.append(cand)
+            continue
+        seen[sig] = plan.name
+        cand.reason = structural_reason(work, plan)
+        if not cand.reason:
+            try:
+                wb = weight_bytes(plan)
+            except ValueError as e:  # ShardingError: the specs refuse the plan
+                cand.reason = f"shard_dit_specs refuses it: {e}"
+            else:
+                cand.memory = memory_per_chip(work, plan, wb, attention)
+                if cand.memory.total > dram_bytes:
+                    cand.reason = (f"needs {cand.memory.total / 1e9:.1f} GB per chip > "
+                                   f"{dram_bytes / 1e9:.1f} GB usable "
+                                   f"(weights {cand.memory.weights / 1e9:.1f} GB"
+                                   + ("" if plan.fsdp or plan.mesh().sp == 1 else "; FSDP would divide them by SP")
+                                   + ")")
+        out.append(cand)
+    return out

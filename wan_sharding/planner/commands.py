@@ -1,0 +1,227 @@
+"""``wan-sharding plan``: rank sharding plans for a Tenstorrent mesh and recommend one.
+
+    wan-sharding plan --mesh 8x4 --arch wormhole_b0 --resolution 480p [--variant t2v-a14b]
+                      [--top K] [--json] [--write PLAN.json]
+
+Prints a ranked table (plan, memory per chip, per-block collective bill, estimated seconds per
+forward and why each plan lost) and the recommended plan; ``--write`` saves it as a
+``ShardingPlan`` JSON file for ``shard_dit_specs(dit, ShardingPlan.load(path))``.
+
+Exit codes: 0 a plan was recommended; 1 nothing to recommend (no legal plan, or tt-mlir rejected
+every survivor); 2 bad arguments or the compiler could not be run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from ..models import RESOLUTIONS, VARIANTS
+from .hardware import ARCHS, TOPOLOGIES
+from .ir_cost import ATTENTION_MODES
+from .search import PlannerError, PlanReport, plan_sharding
+
+EXIT_OK, EXIT_NO_PLAN, EXIT_ERROR = 0, 1, 2
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A",
+          "collective_permute": "CP", "mesh_partition": "MP"}
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e9:.1f}G" if b >= 1e9 else f"{b / 1e6:.0f}M" if b >= 1e6 else f"{b / 1e3:.0f}K"
+
+
+def bill_text(entry: dict[str, Any]) -> str:
+    """Short per-block bill, per collective kind and mesh axis: ``AR@cols 3:504M+4s`` = 3 large
+    all-reduces over cols moving 504 MB per device in all, plus 4 small ones."""
+    comp = entry.get("compiled") or {}
+    large: Counter = Counter()
+    small: Counter = Counter()
+    volume: Counter = Counter()
+    if comp.get("ok"):
+        for e in comp["bill"]:
+            key = f"{_SHORT.get(e['kind'], e['kind'])}@{e['axis']}"
+            (large if e["size"] == "large" else small)[key] += e["count"]
+            volume[key] += e["count"] * e["bytes"] if e["size"] == "large" else 0
+    elif entry.get("analytic"):
+        for b in entry["analytic"]["bill"]:
+            key = f"{_SHORT.get(b['kind'], b['kind'])}@{b['axis']}"
+            is_small = b["result_mb"] < 1.0
+            (small if is_small else large)[key] += b["count"]
+            volume[key] += 0 if is_small else b["count"] * b["result_mb"] * 1e6
+    else:
+        return "-"
+    parts = []
+    for key in dict.fromkeys([*large, *small]):
+        big = f"{large[key]:g}:{_mb(volume[key])}" if large[key] else ""
+        few = f"{small[key]:g}s" if small[key] else ""
+        parts.append(f"{key} " + "+".join(p for p in (big, few) if p))
+    return ", ".join(parts) or "none"
+
+
+def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: int = 12) -> str:
+    """The ranked table and the recommendation, as text."""
+    data = data or report.to_json()
+    w = data["workload"]
+    cnt = data["counts"]
+    lines = [
+        f"Wan 2.2 {w['variant']} at {w['resolution'] or w['latent']} ({w['tokens']} tokens, {w['layers']} blocks, "
+        f"{w['experts']} expert{'s' if w['experts'] > 1 else ''} resident) on {data['mesh']} {data['arch']}",
+        f"fabric: {data['fabric']}",
+        f"chip: {data['chip']['peak_tflops']:g} TFLOPS x {data['chip']['matmul_efficiency']:g}, "
+        f"{data['chip']['dram_gbps']:g} GB/s, {data['chip']['dram_gb']:g} GB DRAM; attention {data['attention']}",
+        f"{cnt['enumerated']} plans, {cnt['distinct']} distinct, {cnt['legal']} legal; "
+        f"{cnt['compiled']} compiled with tt-mlir, {cnt['compiled_ok']} accepted",
+        "",
+    ]
+    head = (f"{'#':>3}  {'plan':<50} {'GB/chip':>7}  {'s/fwd':>7} {'src':<3}  "
+            f"{'per-block bill (per device)':<38}  why it lost")
+    lines.append(head)
+    lines.append("-" * len(head))
+    ranked = [c for c in data["candidates"] if c["rank"] is not None]
+    shown = [c for c in ranked if c["stage"] in ("compiled", "no-compile")]
+    pruned = [c for c in ranked if c["stage"] == "analytic"]
+    illegal = [c for c in ranked if c["stage"] == "illegal"]
+    shown += pruned[: max(rows - len(shown), 3)]
+    for c in shown:
+        est = c["estimated_seconds_per_forward"]
+        src = {"compiled": "tt", "no-compile": "--", "analytic": "an"}[c["stage"]]
+        mem = f"{c['memory_per_chip_gb']:.1f}" if c["memory_per_chip_gb"] is not None else "-"
+        secs = f"{est:.2f}" if est is not None and c["stage"] != "no-compile" else "-"
+        lines.append(f"{c['rank']:>3}  {c['name']:<50} {mem:>7}  {secs:>7} {src:<3}  {bill_text(c):<38}  "
+                     f"{c['why_lost']}")
+    more = len(pruned) - (len(shown) - sum(1 for c in shown if c["stage"] != "analytic"))
+    if more > 0:
+        lines.append(f"     ... {more} more pruned in stage 1 (see --json)")
+    if illegal:
+        reasons = Counter(_reason_class(c["why_lost"]) for c in illegal)
+        lines.append(f"     {len(illegal)} illegal: " + "; ".join(f"{n} x {r}" for r, n in reasons.most_common()))
+    lines.append("")
+    lines.append("src: tt = costed from the compiled TTNN program (1- and 2-block proxies scaled to "
+                 f"{w['layers']} blocks), an = analytic stage 1, -- = tt-mlir rejected it")
+    rec = data["recommended"]
+    if not data["compiled_stage"]:
+        lines.append("analytic only (--no-compile): nothing here was checked by tt-mlir, which rejects some plans "
+                     "(see the sharded-D layouts in a compiled run)")
+    if rec is None:
+        lines.append("no plan recommended: " + ("no legal plan" if not cnt["legal"] else
+                                                 "tt-mlir rejected every compiled survivor"))
+    else:
+        mem = rec["memory"]
+        comp = rec.get("compiled") or {}
+        lines += [
+            f"recommended: {rec['name']}",
+            f"  SP {rec['sp']} on {'+'.join(rec['mesh_axes']['sp']) or '-'}, TP {rec['tp']} on "
+            f"{'+'.join(rec['mesh_axes']['tp']) or '-'}, FSDP {'on' if rec['fsdp'] else 'off'}, "
+            f"{rec['layout']} D between Megatron pairs, padding {rec['padding']}",
+            f"  memory per chip {rec['memory_per_chip_gb']:.2f} GB of {data['chip']['dram_gb']:g} (weights "
+            f"{mem['weights_gb']:.2f}, FSDP working set {mem['fsdp_gathered_gb']:.2f}, activations "
+            f"{mem['activations_gb']:.2f}, gathered K/V {mem['kv_gathered_gb']:.2f})",
+            f"  estimated {rec['estimated_seconds_per_forward']:.2f} s per DiT forward"
+            + (f" (compiled: per block {comp['per_block']['seconds'] * 1e3:.0f} ms = compute "
+               f"{comp['per_block']['compute_seconds'] * 1e3:.0f} + comm "
+               f"{(comp['per_block']['seconds'] - comp['per_block']['compute_seconds']) * 1e3:.0f}; "
+               f"once per forward {comp['per_forward']['seconds'] * 1e3:.0f} ms)" if comp.get("ok") else ""),
+        ]
+        if comp.get("ok"):
+            lines.append("  compiled per-block bill: " + ", ".join(
+                f"{e['count']:g} x {e['kind']} over {e['axis']} {e['payload']}" for e in comp["bill"]))
+    t = data["timings_seconds"]
+    lines.append(f"planning time: {t.get('total', 0):.0f} s (model {t.get('model', 0):.0f} s, stage 1 "
+                 f"{t.get('stage1', 0):.1f} s, stage 2 {t.get('stage2', 0):.0f} s)")
+    return "\n".join(lines)
+
+
+def _reason_class(text: str) -> str:
+    if text.startswith("needs "):
+        return "over the chip's DRAM"
+    if text.startswith("TP ") and "heads" in text:
+        return text
+    if text.startswith("unpadded"):
+        return "unpadded L/SP not whole tiles"
+    return text[:60]
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    progress = None if args.json or args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        report = plan_sharding(args.mesh, args.arch, args.variant, args.resolution,
+                               _latent(args.latent) if args.latent else None, top=args.top,
+                               compile=not args.no_compile, attention=args.attention, topology=args.topology,
+                               work_dir=args.out, timeout=args.timeout, keep=_restriction(args), progress=progress)
+    except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(e)}))
+        else:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    data = report.to_json()
+    data["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    if args.write and report.recommended is not None:
+        report.recommended.plan.save(args.write)
+        data["written"] = str(args.write)
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(format_report(report, data))
+        if data.get("written"):
+            print(f"wrote {data['written']}: shard_dit_specs(dit, ShardingPlan.load({str(args.write)!r}))")
+    return EXIT_OK if report.recommended is not None else EXIT_NO_PLAN
+
+
+def _restriction(args: argparse.Namespace):
+    """A plan filter from ``--layout`` / ``--padding`` / ``--fsdp`` (None when none is given)."""
+    tests = []
+    if args.layout:
+        tests.append(lambda p: p.layout == args.layout)
+    if args.padding:
+        tests.append(lambda p: p.padding == args.padding or (p.padding == "none" and p.mesh().sp == 1))
+    if args.fsdp:
+        tests.append(lambda p: p.fsdp == (args.fsdp == "on") or (args.fsdp == "on" and p.mesh().sp == 1))
+    return (lambda p: all(t(p) for t in tests)) if tests else None
+
+
+def _latent(text: str) -> tuple[int, int, int]:
+    parts = text.replace("x", ",").split(",")
+    try:
+        vals = tuple(int(p) for p in parts)
+    except ValueError:
+        raise PlannerError(f"latent must be F,H,W integers, got {text!r}") from None
+    if len(vals) != 3:
+        raise PlannerError(f"latent must have three sizes F,H,W, got {text!r}")
+    return vals  # type: ignore[return-value]
+
+
+def add_subcommands(sub: Any) -> None:
+    """Add ``plan`` to an argparse subparsers object (sets ``func``)."""
+    p = sub.add_parser(
+        "plan", help="rank sharding plans for a Tenstorrent mesh from compiled TTNN IR and recommend one",
+        description="Two-stage planner: enumerate SP/TP axis assignments, FSDP, layout and padding; filter by "
+                    "divisibility, tiles and per-chip memory; rank analytically; compile the best with tt-mlir "
+                    "(compile-only) and rank them on a model of the chip fabric.")
+    p.add_argument("--mesh", default="8x4", help="physical chip grid ROWSxCOLS (default 8x4)")
+    p.add_argument("--arch", choices=list(ARCHS), default="wormhole_b0")
+    p.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
+    p.add_argument("--latent", default=None, help="latent F,H,W instead of a resolution")
+    p.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
+    p.add_argument("--top", type=int, default=6, help="stage-1 survivors to compile (default 6)")
+    p.add_argument("--attention", choices=list(ATTENTION_MODES), default="fused",
+                   help="whether attention scores stay on chip (fused, default) or go to DRAM")
+    p.add_argument("--topology", choices=list(TOPOLOGIES), default="machine",
+                   help="the machine's wiring (default), or force every axis to a line / ring")
+    p.add_argument("--layout", choices=["replicated", "sharded"], default=None, help="only plans with this layout")
+    p.add_argument("--padding", choices=["mask", "slice", "none"], default=None,
+                   help="only plans with this padding mode (SP 1 plans, which need none, stay)")
+    p.add_argument("--fsdp", choices=["on", "off"], default=None, help="only plans with (on) or without (off) FSDP")
+    p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per compile batch")
+    p.add_argument("--out", default=None, help="folder for the compiled IRs (default: a new temp folder)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--write", default=None, metavar="PLAN.json", help="save the recommended ShardingPlan")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_cmd_plan)
+

@@ -1,0 +1,134 @@
+"""Stage 2: compile survivors with tt-mlir (compile-only) and cost their TTNN programs.
+
+Each survivor is compiled as a full-width proxy (the real widths, heads and token count; only the
+depth is cut) at two depths, 1 and 2 blocks, through the ordinary API with the plan
+(:meth:`CompileRequest.for_plan`: ``shard_dit_specs(dit, plan)`` and
+``apply_dit_sp_activation_sharding(..., plan=plan)`` in the worker). The difference of the two
+programs is one block; what the 1-block program has beyond that block is paid once per forward.
+Both are costed op by op (:mod:`wan_sharding.planner.ir_cost`) and scaled to the model's depth:
+
+    seconds per forward = once-per-forward part + layers x per-block part
+
+A plan tt-mlir rejects is a measured outcome: it is reported with the compiler's error, not
+dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..compile import ttnn_ir
+from ..compile.lowering import CompileRequest, CompileResult, compile_many
+from ..plan import ShardingPlan
+from .hardware import Chip, Fabric
+from .ir_cost import Cost, Shapes, cost_file
+from .workload import Workload
+
+DEPTHS = (1, 2)
+
+
+@dataclass
+class CompiledEstimate:
+    """What the compiled proxies of one plan say."""
+
+    ok: bool
+    error: str | None = None
+    per_block: Cost | None = None
+    per_forward: Cost | None = None  # once per forward (entry, condition embedder, exit)
+    seconds_per_forward: float | None = None
+    bill: list[dict[str, Any]] = field(default_factory=list)  # ttnn_ir per-block bill entries
+    bill_counts: dict[str, float] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    ttnn_paths: tuple[str | None, str | None] = (None, None)
+    padded_tokens: int | None = None
+    scores_materialised_gb: float = 0.0  # largest score tensor in the compiled program (compile-only SDPA)
+    tile_aligned: bool | None = None
+
+    def short_error(self) -> str:
+        """The compiler's message, without the exception class and call-site noise."""
+        text = (self.error or "").split("\n")[0]
+        for prefix in ("XlaRuntimeError: ", "JaxRuntimeError: ", "INTERNAL: "):
+            text = text.replace(prefix, "")
+        # The plugin repeats a message once per failing op: keep each once, drop the generic tail.
+        parts = [p.strip() for p in text.split("; ")]
+        parts = [p for p in dict.fromkeys(parts) if p and p != "Failed to run stablehlo pipeline"] or parts
+        return "; ".join(parts)[:240]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": self.ok, "compile_seconds": round(self.compile_seconds, 2)}
+        if not self.ok:
+            out["error"] = self.short_error()
+            return out
+        out.update(seconds_per_forward=round(self.seconds_per_forward or 0.0, 4),
+                   per_block=self.per_block.to_json() if self.per_block else None,
+                   per_forward=self.per_forward.to_json() if self.per_forward else None,
+                   bill=self.bill, bill_counts=self.bill_counts, padded_tokens=self.padded_tokens,
+                   scores_materialised_gb=round(self.scores_materialised_gb, 3), tile_aligned=self.tile_aligned,
+                   ttnn_ir=list(self.ttnn_paths))
+        return out
+
+
+def requests_for(work: Workload, plan: ShardingPlan, out_dir: Path | None = None,
+                 depths: Sequence[int] = DEPTHS) -> list[CompileRequest]:
+    """The full-width proxies of ``plan`` at ``depths`` blocks."""
+    reqs = []
+    for d in depths:
+        sub = None if out_dir is None else str(out_dir / f"{d}blk")
+        reqs.append(CompileRequest.for_plan(plan, variant=work.variant, latent=work.latent, blocks=d, size="full",
+                                            resolution=work.resolution, out_dir=sub))
+    return reqs
+
+
+def evaluate(work: Workload, plans: Sequence[ShardingPlan], chip: Chip, fabric: Fabric, *, work_dir: Path,
+             attention: str = "fused", timeout: float = 900.0,
+             progress: Callable[[str], None] | None = None) -> list[CompiledEstimate]:
+    """Compile every plan at 1 and 2 blocks and cost it; one :class:`CompiledEstimate` per plan.
+
+    One worker process compiles the whole batch (its ~20 s start-up is paid once). Two workers side
+    by side were tried and dropped: the plugin's first-use unpacking of its runtime files is not
+    safe against a second process doing the same ("failed to extract embedded tt-metal runtime
+    archive", then a hung worker).
+    """
+    if not plans:
+        return []
+    requests: list[CompileRequest] = []
+    for i, plan in enumerate(plans):
+        requests += requests_for(work, plan, work_dir / f"plan_{i:02d}")
+    if progress:
+        progress(f"stage 2: compiling {len(plans)} plans x {len(DEPTHS)} depths with tt-mlir ({chip.arch})")
+    results = compile_many(requests, chip.arch, timeout=timeout, work_dir=work_dir)
+    out = []
+    for i, plan in enumerate(plans):
+        shallow, deep = results[len(DEPTHS) * i: len(DEPTHS) * (i + 1)]
+        out.append(estimate_from_results(work, plan, shallow, deep, chip, fabric, attention))
+    return out
+
+
+def estimate_from_results(work: Workload, plan: ShardingPlan, shallow: CompileResult, deep: CompileResult,
+                          chip: Chip, fabric: Fabric, attention: str = "fused") -> CompiledEstimate:
+    """Cost the two compiled proxies of ``plan`` (shallow and deep, from :func:`requests_for`)."""
+    secs = sum(r.compile_seconds or 0.0 for r in (shallow, deep))
+    failed = next((r for r in (shallow, deep) if not r.ok), None)
+    if failed is not None:
+        return CompiledEstimate(False, error=failed.error or "compile failed", compile_seconds=secs)
+    mesh = plan.mesh()
+    shapes = Shapes(work.tokens, int(deep.padded_tokens or work.tokens), mesh.sp, work.prompt_tokens)
+    kw = dict(chip=chip, fabric=fabric, mesh_shape=plan.mesh_shape, axis_names=plan.axis_names, shapes=shapes,
+              attention=attention)
+    d1, d2 = shallow.request.num_blocks, deep.request.num_blocks
+    c1, c2 = cost_file(shallow.ttnn_path, **kw), cost_file(deep.ttnn_path, **kw)
+    per_block = c2.minus(c1).scaled(1.0 / (d2 - d1))
+    per_forward = c1.minus(per_block.scaled(d1))
+    total = per_forward.total + work.layers * per_block.total
+    m1, m2 = ttnn_ir.TTNNModule.from_file(shallow.ttnn_path), ttnn_ir.TTNNModule.from_file(deep.ttnn_path)
+    bill = ttnn_ir.per_block_bill(m1, m2, d1, d2, mesh)
+    tiles = None
+    if mesh.sp_axis is None or isinstance(mesh.sp_axis, str):  # ttnn_ir's check reads one SP axis
+        tiles = ttnn_ir.tile_alignment(m2, mesh)["aligned"]
+    return CompiledEstimate(True, per_block=per_block, per_forward=per_forward, seconds_per_forward=total,
+                            bill=[e.to_json() for e in bill.entries], bill_counts=bill.counts(), compile_seconds=secs,
+                            ttnn_paths=(shallow.ttnn_path, deep.ttnn_path), padded_tokens=deep.padded_tokens,
+                            scores_materialised_gb=max(c1.score_bytes_max, c2.score_bytes_max) / 1e9,
+                            tile_aligned=tiles)

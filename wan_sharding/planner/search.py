@@ -1,0 +1,325 @@
+"""The two-stage planner: enumerate -> filter -> analytic top K -> compile -> rank on the fabric.
+
+:func:`plan_sharding` is the whole pipeline (what ``wan-sharding plan`` runs). Stage 1 scores every
+legal candidate from shapes (:mod:`~wan_sharding.planner.analytic`) and keeps the best ``top``;
+stage 2 compiles those with tt-mlir and costs their TTNN programs on the chip fabric
+(:mod:`~wan_sharding.planner.compiled`). Plans tt-mlir rejects are reported as such, and if
+that leaves fewer than ``top`` compiled plans the next stage-1 candidates are compiled too (up to
+``max_rounds`` batches). The recommendation is the fastest compiled plan.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from functools import lru_cache
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..plan import ShardingPlan
+from . import analytic, compiled
+from .candidates import AXIS_NAMES, Candidate, build_candidates
+from .hardware import Chip, Fabric, chip as chip_for, fabric_for
+from .ir_cost import ATTENTION_MODES, Cost
+from .workload import BF16, Workload
+
+
+class PlannerError(RuntimeError):
+    """Nothing to recommend (no legal plan), or a bad request."""
+
+
+@dataclass
+class Estimate:
+    """Stage-1 (analytic) result for one candidate."""
+
+    per_block: Cost
+    seconds_per_forward: float
+    bill: list[analytic.BillItem]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seconds_per_forward": round(self.seconds_per_forward, 4), "per_block": self.per_block.to_json(),
+                "bill": [b.to_json() for b in self.bill]}
+
+
+@dataclass
+class PlanReport:
+    """Everything one planning run found; ``recommended`` is a :class:`Candidate` or None."""
+
+    work: Workload
+    chip: Chip
+    fabric: Fabric
+    candidates: list[Candidate]
+    ranked: list[Candidate]  # every non-duplicate candidate, best first
+    recommended: Candidate | None
+    top: int
+    attention: str
+    timings: dict[str, float] = field(default_factory=dict)
+    compiled_stage: bool = True
+
+    def estimated_seconds(self, c: Candidate) -> float | None:
+        """Compiled estimate when there is one, None when tt-mlir rejected the plan, else the
+        analytic one (None for illegal plans)."""
+        if c.compiled is not None:
+            return c.compiled.seconds_per_forward if c.compiled.ok else None
+        if c.analytic is not None:
+            return c.analytic.seconds_per_forward
+        return None
+
+    def stage(self, c: Candidate) -> str:
+        if c.duplicate_of:
+            return "duplicate"
+        if c.reason:
+            return "illegal"
+        if c.compiled is not None:
+            return "compiled" if c.compiled.ok else "no-compile"
+        return "analytic"
+
+    def why_lost(self, c: Candidate) -> str:
+        return why_lost(self, c)
+
+    def candidate_json(self, c: Candidate, rank: int | None) -> dict[str, Any]:
+        m = c.plan.mesh()
+        est = self.estimated_seconds(c)
+        out: dict[str, Any] = {
+            "rank": rank, "name": c.name, "stage": self.stage(c), "plan": c.plan.to_dict(),
+            "sp": m.sp, "tp": m.tp, "mesh_axes": {"names": list(c.plan.axis_names), "shape": list(c.plan.mesh_shape),
+                                                  "sp": list(c.plan.sp_axes), "tp": list(c.plan.tp_axes)},
+            "fsdp": c.plan.fsdp, "layout": c.plan.layout, "padding": c.plan.padding,
+            "idle_axes": list(c.idle_axes),
+            "memory_per_chip_gb": round(c.memory.total / 1e9, 3) if c.memory else None,
+            "memory": c.memory.to_json() if c.memory else None,
+            "estimated_seconds_per_forward": None if est is None else round(est, 4),
+            "analytic": c.analytic.to_json() if c.analytic else None,
+            "compiled": c.compiled.to_json() if c.compiled else None,
+            "why_lost": why_lost(self, c),
+        }
+        if c.reason:
+            out["reason"] = c.reason
+        if c.duplicate_of:
+            out["duplicate_of"] = c.duplicate_of
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        ranked = [self.candidate_json(c, i + 1) for i, c in enumerate(self.ranked)]
+        dups = [self.candidate_json(c, None) for c in self.candidates if c.duplicate_of]
+        rec = None
+        if self.recommended is not None:
+            rec = next(r for r in ranked if r["name"] == self.recommended.name)
+        legal = [c for c in self.candidates if c.legal]
+        return {
+            "mesh": "x".join(map(str, self.fabric.grid)), "arch": self.chip.arch,
+            "workload": self.work.to_json(), "fabric": self.fabric.describe(), "fabric_source": self.fabric.source,
+            "chip": {"peak_tflops": self.chip.peak_tflops, "matmul_efficiency": self.chip.matmul_efficiency,
+                     "dram_gb": self.chip.dram_gb, "dram_gbps": self.chip.dram_gbps,
+                     "slice_back_gbps": self.chip.slice_back_gbps, "source": self.chip.source},
+            "attention": self.attention, "top": self.top, "compiled_stage": self.compiled_stage,
+            "counts": {"enumerated": len(self.candidates), "distinct": len(self.candidates) - len(dups),
+                       "legal": len(legal), "compiled": sum(1 for c in self.candidates if c.compiled is not None),
+                       "compiled_ok": sum(1 for c in self.candidates if c.compiled is not None and c.compiled.ok)},
+            "timings_seconds": {k: round(v, 2) for k, v in self.timings.items()},
+            "candidates": ranked + dups,
+            "recommended": rec,
+        }
+
+
+@lru_cache(maxsize=4)
+def _meta_dit(variant: str) -> Any:
+    """The full-size ``variant`` on the meta device, built once per process (~10 s)."""
+    import torch
+
+    from ..models import build_dit
+
+    return build_dit(variant, "full", device="meta", dtype=torch.bfloat16)
+
+
+@lru_cache(maxsize=4096)
+def weight_bytes_per_expert(variant: str, plan: ShardingPlan) -> float:
+    """One expert's weight bytes per chip in bf16 under ``plan``: ``shard_dit_specs`` on the meta
+    model (~30 ms). Raises ``ShardingError`` (a ``ValueError``) when the specs refuse the plan."""
+    from ..specs import shard_dit_specs
+
+    return float(shard_dit_specs(_meta_dit(variant), plan).bytes_per_device(BF16))
+
+
+def stage1(work: Workload, candidates: Sequence[Candidate], chip: Chip, fabric: Fabric) -> list[Candidate]:
+    """Analytic estimate for every legal candidate; returns them fastest first."""
+    legal = [c for c in candidates if c.legal]
+    for c in legal:
+        per_block = analytic.block_cost(work, c.plan, chip, fabric)
+        c.analytic = Estimate(per_block, work.layers * per_block.total, analytic.block_bill(work, c.plan))
+    return sorted(legal, key=lambda c: (c.analytic.seconds_per_forward, len(c.idle_axes), c.name))
+
+
+def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", variant: str = "t2v-a14b",
+                  resolution: str | None = "480p", latent: Sequence[int] | None = None, *, top: int = 6,
+                  compile: bool = True, attention: str = "fused", topology: str = "machine",
+                  work_dir: str | Path | None = None, timeout: float = 900.0, max_rounds: int = 3,
+                  keep: Callable[[ShardingPlan], bool] | None = None,
+                  progress: Callable[[str], None] | None = None) -> PlanReport:
+    """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
+
+    Args:
+        mesh: ``"RxC"`` (e.g. ``"8x4"``, ``"2x4"``) or ``(rows, cols)``: the physical chip grid.
+        arch: ``"wormhole_b0"`` or ``"blackhole"``.
+        variant, resolution, latent: the workload (see :meth:`Workload.build`).
+        top: how many stage-1 survivors to compile (stage 2).
+        compile: run stage 2 (needs ``jax-tt-plugin``); False ranks on the analytic stage only.
+        attention: ``"fused"`` (scores stay on chip) or ``"materialised"`` (scores in DRAM: counted in
+            memory and time); see :mod:`wan_sharding.planner.ir_cost`.
+        topology: ``"machine"``, ``"line"`` or ``"ring"`` (see :func:`~wan_sharding.planner.hardware.fabric_for`).
+        work_dir: where compiled IRs go (a new temporary folder when None).
+        timeout: seconds for each compile batch.
+        max_rounds: compile batches at most (a batch is topped up when plans fail to compile).
+        keep: restrict the search to the plans this accepts (e.g. ``lambda p: p.padding == "mask"``).
+        progress: called with a line of text at each step.
+
+    Returns:
+        A :class:`PlanReport`.
+
+    Raises:
+        PlannerError: bad arguments or no legal plan at all.
+    """
+    t0 = time.perf_counter()
+    say = progress or (lambda s: None)
+    if attention not in ATTENTION_MODES:
+        raise PlannerError(f"unknown attention mode {attention!r}; choose one of {ATTENTION_MODES}")
+    if top < 1:
+        raise PlannerError(f"top must be >= 1, got {top}")
+    shape = parse_mesh(mesh)
+    try:
+        work = Workload.build(variant, resolution, latent)
+        chip = chip_for(arch)
+        fabric = fabric_for(arch, shape, topology)
+    except ValueError as e:
+        raise PlannerError(str(e)) from None
+    timings: dict[str, float] = {}
+    say(f"workload {work.label}; {fabric.describe()}")
+    _meta_dit(work.variant)
+    timings["model"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    cands = build_candidates(work, shape, chip.usable_dram_bytes, lambda p: weight_bytes_per_expert(work.variant, p),
+                             attention, AXIS_NAMES, keep)
+    ordered = stage1(work, cands, chip, fabric)
+    timings["stage1"] = time.perf_counter() - t1
+    say(f"stage 1: {len(cands)} candidates, {len(ordered)} legal, analytic best "
+        f"{ordered[0].analytic.seconds_per_forward:.2f} s/forward" if ordered else
+        f"stage 1: {len(cands)} candidates, none legal")
+    if not ordered:
+        report = PlanReport(work, chip, fabric, cands, _rank(cands, []), None, top, attention, timings, compile)
+        return report
+    compiled_list: list[Candidate] = []
+    if compile:
+        t2 = time.perf_counter()
+        root = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="wan_plan_"))
+        queue = list(ordered)
+        rounds = 0
+        while queue and rounds < max_rounds:
+            ok = sum(1 for c in compiled_list if c.compiled.ok)
+            want = top - ok if rounds else top
+            if want <= 0:
+                break
+            batch, queue = queue[:want], queue[want:]
+            rounds += 1
+            results = compiled.evaluate(work, [c.plan for c in batch], chip, fabric,
+                                        work_dir=root / f"round_{rounds}", attention=attention, timeout=timeout,
+                                        progress=say)
+            for c, r in zip(batch, results):
+                c.compiled = r
+                compiled_list.append(c)
+                say(f"  {c.name}: " + (f"{r.seconds_per_forward:.2f} s/forward" if r.ok
+                                       else f"does not compile: {r.short_error()[:120]}"))
+        timings["stage2"] = time.perf_counter() - t2
+    ok_compiled = [c for c in compiled_list if c.compiled.ok]
+    if compile and ok_compiled:
+        recommended = min(ok_compiled, key=lambda c: c.compiled.seconds_per_forward)
+    elif compile:
+        recommended = None  # every survivor was rejected by tt-mlir: nothing measured to recommend
+    else:
+        recommended = ordered[0]
+    timings["total"] = time.perf_counter() - t0
+    return PlanReport(work, chip, fabric, cands, _rank(cands, ordered), recommended, top, attention, timings, compile)
+
+
+def parse_mesh(mesh: str | Sequence[int]) -> tuple[int, int]:
+    """``"8x4"`` / ``(8, 4)`` -> ``(8, 4)``; a clear error for anything else."""
+    if isinstance(mesh, str):
+        parts = mesh.lower().replace(",", "x").split("x")
+        try:
+            shape = tuple(int(p) for p in parts)
+        except ValueError:
+            raise PlannerError(f"mesh must look like ROWSxCOLS (e.g. 8x4), got {mesh!r}") from None
+    else:
+        shape = tuple(int(s) for s in mesh)
+    if len(shape) != 2 or min(shape) < 1:
+        raise PlannerError(f"mesh must be two positive sizes ROWSxCOLS (e.g. 8x4), got {mesh!r}")
+    return shape  # type: ignore[return-value]
+
+
+def _rank(cands: Sequence[Candidate], ordered: Sequence[Candidate]) -> list[Candidate]:
+    """Compiled plans by compiled time, then plans tt-mlir rejected, then the stage-1 rest in
+    stage-1 order, then illegal plans."""
+    comp_ok = sorted((c for c in ordered if c.compiled is not None and c.compiled.ok),
+                     key=lambda c: c.compiled.seconds_per_forward)
+    comp_bad = [c for c in ordered if c.compiled is not None and not c.compiled.ok]
+    rest = [c for c in ordered if c.compiled is None]
+    illegal = [c for c in cands if c.reason and not c.duplicate_of]
+    return [*comp_ok, *comp_bad, *rest, *illegal]
+
+
+# ------------------------------------------------------------------------------- why it lost
+
+
+def _components(c: Candidate, compiled_view: bool, layers: int) -> dict[str, float]:
+    """Per-forward seconds by component: compute parts and communication per kind@axis."""
+    if compiled_view:
+        pb, pf = c.compiled.per_block, c.compiled.per_forward
+        whole = pf.plus(pb.scaled(layers))
+    else:
+        whole = c.analytic.per_block.scaled(layers)
+    out = {"matmul": whole.matmul, "DRAM-bound ops": whole.memory, "K/V slice-back": whole.slice_back}
+    for k, v in whole.comm.items():
+        kind, _, axis = k.partition("@")
+        out[f"{kind.replace('_', '-')} over {axis}"] = v
+    return out
+
+
+# Below this relative gap two estimates are a tie for the model: its inputs (efficiency, link
+# speeds, the DRAM-traffic rule) are not known to better than that.
+NEAR_TIE = 0.03
+
+
+def _biggest_gap(c: Candidate, best: Candidate, compiled_view: bool, layers: int) -> str:
+    mine, theirs = _components(c, compiled_view, layers), _components(best, compiled_view, layers)
+    gaps = sorted(((mine.get(k, 0.0) - theirs.get(k, 0.0), k) for k in set(mine) | set(theirs)), reverse=True)
+    parts = [f"+{d:.2f} s {k}" for d, k in gaps[:2] if d > 0.005]
+    total_mine, total_best = sum(mine.values()), sum(theirs.values())
+    tie = (f"near tie ({100 * (total_mine / total_best - 1):+.1f}%, inside the model's resolution): "
+           if total_best > 0 and total_mine / total_best - 1 < NEAR_TIE else "")
+    return tie + (", ".join(parts) or "within rounding of the best")
+
+
+def why_lost(report: PlanReport, c: Candidate) -> str:
+    """One line: why ``c`` is not the recommendation."""
+    best = report.recommended
+    if c.duplicate_of:
+        return f"same collectives as [{c.duplicate_of}] (axis order inside a role does not change tt-mlir's program)"
+    if c.reason:
+        return c.reason
+    if best is not None and c is best:
+        return "recommended"
+    idle = f"; {'+'.join(c.idle_axes)} idle (those chips repeat the work)" if c.idle_axes else ""
+    layers = report.work.layers
+    if c.compiled is not None and not c.compiled.ok:
+        return f"does not compile in tt-mlir: {c.compiled.short_error()}"
+    if c.compiled is not None and best is not None and best.compiled is not None and best.compiled.ok:
+        return f"slower: {_biggest_gap(c, best, True, layers)}" + idle
+    ref = best if best is not None and best.analytic is not None else None
+    if c.analytic is not None:
+        survivors = [x for x in report.candidates if x.compiled is not None]
+        cutoff = max((x.analytic.seconds_per_forward for x in survivors), default=None)
+        gap = f": {_biggest_gap(c, ref, False, layers)}" if ref is not None else ""
+        if report.compiled_stage and cutoff is not None:
+            return f"pruned in stage 1 ({c.analytic.seconds_per_forward:.2f} s > {cutoff:.2f} s cut-off){gap}" + idle
+        return f"slower (analytic){gap}" + idle
+    return "not evaluated"
