@@ -53,11 +53,11 @@ class XlaBackend(Backend):
         """Move the model to the XLA device and mark every weight's sharding (replicated included)."""
         import torch_xla.distributed.spmd as xs
 
-        names = specs.by_name() if hasattr(specs, "by_name") else None
+        # Look specs up by name, taken before the move: CPU -> XLA replaces the parameter objects.
+        names = specs.by_name() if hasattr(specs, "by_name") else {n: specs[p] for n, p in dit.named_parameters()}
         dit.to(self.device)
-        # .to() keeps parameter objects, so the tensor-keyed specs still match after the move.
         for name, param in dit.named_parameters():
-            spec = names[name] if names is not None else specs[param]
+            spec = names[name]
             xs.mark_sharding(param, self.native_mesh, spec)
         return None
 

@@ -1,0 +1,381 @@
+"""Shard a whole diffusers Wan 2.2 pipeline: every expert, with the pipeline's own ``__call__``.
+
+:func:`shard_pipeline` takes a ``WanPipeline`` or ``WanImageToVideoPipeline`` (T2V-A14B and
+I2V-A14B: ``transformer`` + ``transformer_2``; TI2V-5B: ``transformer`` only) and, for each expert,
+computes the TP specs, places the weights on the mesh, installs the SP hooks, and puts a small
+:class:`ShardedTransformer` in the pipeline in its place. The wrapper exposes what the pipeline's
+denoising loop uses (``config``, ``dtype``, ``device``, ``cache_context``, ``forward``) and runs
+the forward through the backend; inputs and outputs stay on the host, so the pipeline's latents,
+CFG, scheduler and VAE run as usual. The real model is held by the wrapper but not registered as
+its submodule, so ``pipe.device`` / ``pipe._execution_device`` stay the host device and
+``pipe.to(...)`` cannot move the sharded weights.
+
+Nothing on any diffusers class is replaced: components are swapped through the pipeline's own
+attribute assignment (which also records them in ``pipe.config``), and the returned
+:class:`PipelineHandle`'s ``remove()`` puts the original objects back, removes the SP hooks and
+returns the experts to the device they came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from .activation import _APPLIED, DEFAULT_PADDING, SPHandle, apply_dit_sp_activation_sharding
+from .attention import PADDING_MODES
+from .backends import Backend, get_backend
+from .mesh import MeshSpec
+from .specs import ShardingError, ShardSpecs, check_wan_model, shard_dit_specs
+
+EXPERT_COMPONENTS = ("transformer", "transformer_2")
+SUPPORTED_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
+
+# Pipelines that are currently sharded -> their handle. Weak both ways (the handle holds the
+# pipeline), so a pipeline and handle that are both dropped are freed.
+_SHARDED: "weakref.WeakKeyDictionary[Any, weakref.ref[PipelineHandle]]" = weakref.WeakKeyDictionary()
+
+
+class ShardedTransformer(torch.nn.Module):
+    """Stands in for one expert of a sharded pipeline; ``forward`` runs the real model on the mesh.
+
+    Inputs are host tensors (as the pipeline makes them); the output comes back to the host, as a
+    tuple with ``return_dict=False`` (what the Wan pipelines ask for) or a
+    ``Transformer2DModelOutput``.
+    """
+
+    def __init__(self, dit: torch.nn.Module, backend: Backend, placed: Any, name: str, padding: str):
+        super().__init__()
+        # Plain attributes, not submodules: module traversal (pipe.device, pipe.to, .modules())
+        # must not reach the sharded weights.
+        self.__dict__.update(_dit=dit, _backend=backend, _placed=placed, component=name, padding=padding, calls=0)
+
+    # --- what the Wan pipelines read ------------------------------------------------------
+    @property
+    def dit(self) -> torch.nn.Module:
+        """The real (sharded) ``WanTransformer3DModel``."""
+        if self._dit is None:
+            raise ShardingError(
+                f"this sharded {self.component} was removed by handle.remove(); use pipe.{self.component}, "
+                "which is the original model again"
+            )
+        return self._dit
+
+    @property
+    def config(self) -> Any:
+        return self.dit.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dit.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pipeline should keep inputs and outputs: the host."""
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return self._backend.mesh
+
+    def cache_context(self, name: str, **kwargs: Any):
+        """The real model's ``cache_context`` (diffusers' cache hooks live on it)."""
+        return self.dit.cache_context(name, **kwargs)
+
+    def forward(self, *args: Any, return_dict: bool = True, **kwargs: Any):
+        dit = self.dit
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if "attention_kwargs" in kwargs and self._backend.name == "jax":
+            raise ShardingError(
+                "attention_kwargs (a LoRA scale) cannot be passed into the jax backend's compiled forward; fuse the "
+                "LoRA into the weights (pipe.fuse_lora()) before shard_pipeline, or use the xla backend"
+            )
+        out = self._backend.run(dit, self._placed, *args, **kwargs)
+        self.__dict__["calls"] += 1
+        if not return_dict:
+            return (out,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=out)
+
+    def _release(self) -> None:
+        self.__dict__.update(_dit=None, _placed=None)
+
+    def extra_repr(self) -> str:
+        inner = type(self._dit).__name__ if self._dit is not None else "removed"
+        return f"{self.component}: {inner} on {self._backend.name} {self._backend.mesh.name}, padding={self.padding}"
+
+
+@dataclass(eq=False)
+class ShardedExpert:
+    """One expert of a sharded pipeline: the original model, what was done to it, its stand-in."""
+
+    name: str
+    dit: torch.nn.Module
+    wrapper: ShardedTransformer
+    specs: ShardSpecs
+    sp: SPHandle | None
+    original_device: torch.device
+    config_entry: Any
+    moved: bool = False
+    host_tensors: list | None = None  # (module, "param"|"buffer", name, tensor) before placement
+
+
+@dataclass(eq=False)
+class PipelineHandle:
+    """What :func:`shard_pipeline` did to one pipeline; ``remove()`` undoes it."""
+
+    pipe: Any
+    backend: Backend
+    padding: str
+    experts: list[ShardedExpert] = field(default_factory=list)
+    removed: bool = False
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return self.backend.mesh
+
+    @property
+    def components(self) -> list[str]:
+        return [e.name for e in self.experts]
+
+    def remove(self) -> None:
+        """Put the original experts back in the pipeline (the same objects), remove their SP hooks
+        and attention processors, and move them back to the device they were on."""
+        if self.removed:
+            return
+        errors = []
+        for e in reversed(self.experts):
+            try:
+                if e.sp is not None:
+                    e.sp.remove()
+                if e.moved:
+                    _return_to_host(e)
+                self.backend.__dict__.get("_jit_cache", {}).pop(id(e.dit), None)  # jax: drop the compiled forward
+                if e.wrapper is not None:
+                    e.wrapper._release()
+                if getattr(self.pipe, e.name, None) is not e.dit:
+                    _restore_component(self.pipe, e.name, e.dit, e.config_entry)
+            except Exception as exc:  # keep restoring the others, then report
+                errors.append(f"{e.name}: {exc!r}")
+        _SHARDED.pop(self.pipe, None)
+        self.removed = True
+        if errors:
+            raise RuntimeError("restoring the pipeline failed for " + "; ".join(errors))
+
+    def __enter__(self) -> "PipelineHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def describe(self) -> dict[str, Any]:
+        """Summary: backend, mesh, padding, and per expert its parameter split and SP points."""
+        return {
+            "backend": self.backend.name, "mesh": self.mesh.name, "sp": self.mesh.sp, "tp": self.mesh.tp,
+            "padding": self.padding, "pipeline": type(self.pipe).__name__,
+            "experts": {
+                e.name: {"params": e.specs.counts(), "forwards": e.wrapper.calls if e.wrapper is not None else 0,
+                         **({k: v for k, v in e.sp.describe().items() if k in ("sp_points", "last_tokens",
+                                                                              "last_padded_tokens")}
+                            if e.sp is not None else {})}
+                for e in self.experts
+            },
+        }
+
+
+def _is_wan_pipeline(pipe: Any) -> bool:
+    return any(c.__name__ in SUPPORTED_PIPELINES and c.__module__.startswith("diffusers.")
+               for c in type(pipe).__mro__)
+
+
+def _restore_component(pipe: Any, name: str, dit: torch.nn.Module, config_entry: Any) -> None:
+    setattr(pipe, name, dit)  # the pipeline's own __setattr__ records the class in pipe.config again
+    if config_entry is not None and pipe.config.get(name) != config_entry:
+        pipe.register_to_config(**{name: config_entry})
+
+
+def _host_tensors(dit: torch.nn.Module) -> list:
+    """Every parameter and buffer object of ``dit``, with where it sits."""
+    out = []
+    for module in dit.modules():
+        out += [(module, "param", n, t) for n, t in module._parameters.items() if t is not None]
+        out += [(module, "buffer", n, t) for n, t in module._buffers.items() if t is not None]
+    return out
+
+
+def _return_to_host(e: "ShardedExpert") -> None:
+    """Back to the host: the original parameter and buffer objects when they were kept (exact, and
+    no device-to-host copy), else a copy of the device weights via ``.to(original_device)``."""
+    if e.host_tensors is None:
+        e.dit.to(e.original_device)
+        return
+    for module, kind, name, tensor in e.host_tensors:
+        if kind == "param":
+            if module._parameters.get(name) is not tensor:
+                module.register_parameter(name, tensor)
+        elif module._buffers.get(name) is not tensor:
+            module.register_buffer(name, tensor, persistent=name not in module._non_persistent_buffers_set)
+    if any(t.device != e.original_device for *_, t in e.host_tensors):  # moved in place (same objects)
+        e.dit.to(e.original_device)
+
+
+def _model_device(dit: torch.nn.Module) -> torch.device:
+    for p in dit.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
+                   padding: str = DEFAULT_PADDING, keep_host_weights: bool = True) -> PipelineHandle:
+    """Shard every expert of a diffusers Wan 2.2 pipeline over ``mesh``; the pipeline is then
+    called as usual (``pipe(...)``) and runs each DiT forward on the mesh.
+
+    Args:
+        pipe: a ``WanPipeline`` (T2V-A14B, TI2V-5B) or ``WanImageToVideoPipeline`` (I2V-A14B).
+            ``transformer`` and ``transformer_2`` are sharded when present (``None`` is skipped).
+        mesh: a preset name (``"1x4"``, ``"2x4"``, ``"8x4"``), a :class:`MeshSpec`, or the
+            backend's own mesh.
+        backend: ``"jax"`` (torchax, the default), ``"xla"`` (torch-xla SPMD), ``"tt"``, or a
+            :class:`~wan_sharding.backends.Backend` instance bound to ``mesh``.
+        padding: ``"slice"``, ``"mask"`` or ``"none"`` (see :func:`apply_dit_sp_activation_sharding`).
+        keep_host_weights: for backends that move the model to their device (``xla``, ``tt``):
+            keep the original host parameter objects, so ``remove()`` puts exactly those back (no
+            device-to-host copy). ``False`` frees them while sharded (host memory: one copy of each
+            expert less) and ``remove()`` copies the weights back from the device instead. The
+            ``jax`` backend never moves the torch model.
+
+    Returns:
+        A :class:`PipelineHandle`; ``handle.remove()`` (or leaving a ``with`` block) restores the
+        pipeline's original components exactly.
+
+    Raises:
+        ShardingError: not a Wan pipeline, no experts, already sharded, an expert that cannot be
+            sharded on this mesh, or an unknown padding mode. Raised before anything is changed.
+        BackendError: the backend is missing or sees a different number of devices.
+    """
+    if not _is_wan_pipeline(pipe):
+        raise ShardingError(
+            f"shard_pipeline expects a diffusers Wan 2.2 pipeline ({' or '.join(SUPPORTED_PIPELINES)}), got "
+            f"{type(pipe).__name__}; for a bare WanTransformer3DModel use shard_dit_specs + "
+            "apply_dit_sp_activation_sharding"
+        )
+    live = sharded_handle(pipe)
+    if live is not None:
+        raise ShardingError(
+            f"this {type(pipe).__name__} is already sharded (on {live.mesh.name}); call handle.remove() "
+            "on the first handle before sharding it again"
+        )
+    if padding not in PADDING_MODES:
+        raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_MODES)}")
+
+    found = [(name, getattr(pipe, name, None)) for name in EXPERT_COMPONENTS]
+    found = [(name, dit) for name, dit in found if dit is not None]
+    if not found:
+        raise ShardingError(f"{type(pipe).__name__} has no transformer to shard (transformer and transformer_2 are None)")
+    for name, dit in found:
+        if isinstance(dit, ShardedTransformer):
+            raise ShardingError(
+                f"pipe.{name} is already a ShardedTransformer (sharded through another handle); remove that handle first"
+            )
+        check_wan_model(dit)
+        if dit in _APPLIED:
+            raise ShardingError(
+                f"pipe.{name} already carries sequence-parallel hooks (is it shared with another sharded pipeline, or "
+                "was apply_dit_sp_activation_sharding called on it?); remove those first"
+            )
+    be = get_backend(backend, mesh)  # the stack and the device count, checked before any change
+    unique: dict[int, ShardSpecs] = {}
+    for _, dit in found:  # validates heads / ffn / dims against TP for every expert first
+        if id(dit) not in unique:
+            unique[id(dit)] = shard_dit_specs(dit, be.mesh)
+
+    _warn_if_torch_xla_in_jax_process(pipe, be)
+    handle = PipelineHandle(pipe, be, padding)
+    done: dict[int, ShardedExpert] = {}
+    try:
+        for name, dit in found:
+            entry = pipe.config.get(name)
+            if id(dit) in done:  # the same model in both slots: one placement, one stand-in
+                first = done[id(dit)]
+                expert = ShardedExpert(name, dit, first.wrapper, first.specs, None, first.original_device, entry)
+                handle.experts.append(expert)
+            else:
+                expert = ShardedExpert(name, dit, None, unique[id(dit)], None, _model_device(dit), entry,
+                                       host_tensors=_host_tensors(dit) if keep_host_weights else None)
+                handle.experts.append(expert)  # from here on, remove() can undo what follows
+                expert.moved = True  # until known otherwise: remove() moves it back
+                placed = be.place(dit, expert.specs)
+                expert.moved = _model_device(dit) != expert.original_device
+                if not expert.moved:
+                    expert.host_tensors = None  # nothing to put back (jax: the model stays where it is)
+                expert.sp = apply_dit_sp_activation_sharding(dit, be.mesh, backend=be, padding=padding)
+                expert.wrapper = ShardedTransformer(dit, be, placed, name, padding)
+                done[id(dit)] = expert
+            setattr(pipe, name, expert.wrapper)
+    except BaseException:
+        handle.remove()
+        raise
+    _SHARDED[pipe] = weakref.ref(handle)
+    return handle
+
+
+_WAN_PIPELINE_MODULES = ("diffusers.pipelines.wan.pipeline_wan", "diffusers.pipelines.wan.pipeline_wan_i2v")
+
+
+def diffusers_without_torch_xla() -> None:
+    """For a process that runs the ``jax`` backend: make diffusers treat torch-xla as absent.
+
+    When torch-xla is installed, diffusers' Wan pipelines call ``torch_xla``'s ``mark_step()``
+    after every denoising step, which starts torch-xla's own XLA runtime next to JAX's in the same
+    process (this project keeps the two stacks in separate processes). Call this before the
+    pipeline modules are imported; it sets diffusers' cached "is torch_xla available" answer for
+    this process and touches no class.
+    """
+    import sys
+
+    loaded = [m for m in _WAN_PIPELINE_MODULES if getattr(sys.modules.get(m), "XLA_AVAILABLE", False)]
+    if loaded:
+        raise RuntimeError(
+            f"{', '.join(loaded)} already imported with torch-xla enabled; call diffusers_without_torch_xla() "
+            "before importing diffusers' Wan pipelines (first thing in the script)"
+        )
+    import diffusers.utils.import_utils as import_utils
+
+    import_utils._torch_xla_available = False
+
+
+def _warn_if_torch_xla_in_jax_process(pipe: Any, be: Backend) -> None:
+    import sys
+    import warnings
+
+    if be.name == "jax" and getattr(sys.modules.get(type(pipe).__module__), "XLA_AVAILABLE", False):
+        warnings.warn(
+            f"{type(pipe).__name__} will call torch_xla's mark_step() after every step (torch-xla is installed), "
+            "starting torch-xla's runtime in this JAX process; call wan_sharding.pipeline.diffusers_without_torch_xla() "
+            "before importing diffusers pipelines to keep the two stacks apart", RuntimeWarning, stacklevel=3)
+
+
+def sharded_handle(pipe: Any) -> PipelineHandle | None:
+    """The live handle of a sharded pipeline, or ``None``."""
+    ref = _SHARDED.get(pipe)
+    handle = ref() if ref is not None else None
+    return handle if handle is not None and not handle.removed else None
+
+
+@contextlib.contextmanager
+def sharded(pipe: Any, mesh: Any, backend: str | Backend = "jax", padding: str = DEFAULT_PADDING
+            ) -> Iterator[PipelineHandle]:
+    """``with sharded(pipe, "2x4"): pipe(...)``: shard for the block, restore after."""
+    handle = shard_pipeline(pipe, mesh, backend=backend, padding=padding)
+    try:
+        yield handle
+    finally:
+        handle.remove()

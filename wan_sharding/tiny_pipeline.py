@@ -1,0 +1,216 @@
+"""Wan 2.2 pipelines that run offline: a tiny random-weight one built in code, or a local checkpoint.
+
+:func:`build_tiny_pipeline` assembles the stock diffusers pipeline class of a variant from tiny
+parts with the real structure:
+
+- the expert(s) from :func:`wan_sharding.models.build_dit` (T2V/I2V-A14B: two experts switched at
+  the pipeline's ``boundary_ratio``; TI2V-5B: one expert with per-token timesteps,
+  ``expand_timesteps=True``);
+- a tiny ``AutoencoderKLWan`` with the variant's latent channels and strides (Wan 2.1 VAE for the
+  A14B experts: 16 channels, 4x8x8; Wan 2.2 VAE for TI2V-5B: 48 channels, 4x16x16, residual,
+  patchified);
+- the flow-matching ``UniPCMultistepScheduler`` Wan uses (``prediction_type="flow_prediction"``,
+  ``use_flow_sigmas=True``);
+- no text encoder or tokenizer: prompts become deterministic random embeddings
+  (:func:`prompt_embeddings`, from the prompt text and the seed) given to the pipeline as
+  ``prompt_embeds`` / ``negative_prompt_embeds``.
+
+The diffusers Wan pipeline modules import ``transformers`` at import time (for their text encoder
+type hints), so even the tiny pipeline needs that package installed; nothing is downloaded.
+:func:`load_pipeline` loads a real local diffusers checkpoint directory instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .models import PROMPT_TOKENS, build_dit, config_for
+
+PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
+
+
+@dataclass(frozen=True)
+class VariantPipeline:
+    """How a Wan 2.2 variant is put together as a diffusers pipeline."""
+
+    pipeline: str  # diffusers class name
+    experts: int  # 2: transformer (high noise) + transformer_2 (low noise)
+    boundary_ratio: float | None  # the switch point between the two experts, x num_train_timesteps
+    expand_timesteps: bool  # TI2V-5B: one timestep per token
+    vae: str  # "wan2.1" (16 ch, 8x spatial) or "wan2.2" (48 ch, 16x spatial)
+    flow_shift: float
+    size: tuple[int, int, int]  # default (frames, height, width) of the tiny run: 2 latent frames, 48 tokens
+
+
+VARIANT_PIPELINES: dict[str, VariantPipeline] = {
+    # Boundary ratios as in the Wan 2.2 diffusers checkpoints (T2V 0.875, I2V 0.9).
+    "t2v-a14b": VariantPipeline("WanPipeline", 2, 0.875, False, "wan2.1", 3.0, (5, 64, 96)),
+    "i2v-a14b": VariantPipeline("WanImageToVideoPipeline", 2, 0.9, False, "wan2.1", 3.0, (5, 64, 96)),
+    "ti2v-5b": VariantPipeline("WanPipeline", 1, None, True, "wan2.2", 5.0, (5, 128, 192)),
+}
+
+
+class PipelineUnavailable(RuntimeError):
+    """The diffusers Wan pipeline classes (or a checkpoint) cannot be loaded here."""
+
+
+def pipeline_classes() -> dict[str, type]:
+    """``{"WanPipeline": cls, "WanImageToVideoPipeline": cls}``, or a clear error when diffusers
+    cannot provide them (it needs ``transformers`` for its Wan pipeline modules)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise PipelineUnavailable(
+            "diffusers' Wan pipelines (WanPipeline, WanImageToVideoPipeline) import the 'transformers' package, "
+            "which is not installed; install it (pip install transformers) to use pipelines. The DiT-only paths "
+            "(wan-sharding check / specs / compile) do not need it."
+        )
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+    from diffusers.pipelines.wan.pipeline_wan_i2v import WanImageToVideoPipeline
+
+    return {"WanPipeline": WanPipeline, "WanImageToVideoPipeline": WanImageToVideoPipeline}
+
+
+def tiny_vae(kind: str, seed: int = 0):
+    """A tiny ``AutoencoderKLWan`` with the strides and latent channels of the real one (float32, as
+    Wan's VAE is run)."""
+    from diffusers import AutoencoderKLWan
+
+    if kind == "wan2.1":
+        z_dim, extra = 16, {}
+    elif kind == "wan2.2":
+        # The Wan 2.2 VAE: residual blocks, 2x2 patchified pixels (3 -> 12 channels), 16x spatial.
+        z_dim, extra = 48, dict(is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+                                scale_factor_spatial=16)
+    else:
+        raise ValueError(f"unknown VAE kind {kind!r}; choose 'wan2.1' or 'wan2.2'")
+    g = torch.Generator().manual_seed(seed + 7)
+    mean = (torch.randn(z_dim, generator=g) * 0.5).tolist()
+    std = (torch.rand(z_dim, generator=g) + 0.5).tolist()
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=mean, latents_std=std, **extra)
+    return vae.eval()
+
+
+def flow_scheduler(flow_shift: float = 3.0):
+    """The flow-matching UniPC scheduler of the Wan 2.2 diffusers checkpoints."""
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=flow_shift,
+                                   num_train_timesteps=1000, solver_order=2)
+
+
+def build_tiny_pipeline(variant: str = "t2v-a14b", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The stock diffusers pipeline of ``variant`` with tiny random-weight parts (see module doc)."""
+    if variant not in VARIANT_PIPELINES:
+        raise ValueError(f"unknown Wan variant {variant!r}; choose one of {', '.join(VARIANT_PIPELINES)}")
+    vp = VARIANT_PIPELINES[variant]
+    cls = pipeline_classes()[vp.pipeline]
+    experts = {"transformer": build_dit(variant, "tiny", dtype=dtype, seed=seed)}
+    if vp.experts == 2:
+        experts["transformer_2"] = build_dit(variant, "tiny", dtype=dtype, seed=seed + 1)
+    kwargs: dict[str, Any] = dict(tokenizer=None, text_encoder=None, vae=tiny_vae(vp.vae, seed),
+                                  scheduler=flow_scheduler(vp.flow_shift), boundary_ratio=vp.boundary_ratio,
+                                  expand_timesteps=vp.expand_timesteps, **experts)
+    if vp.pipeline == "WanImageToVideoPipeline":
+        kwargs.update(image_encoder=None, image_processor=None)
+    pipe = cls(**kwargs)
+    pipe.set_progress_bar_config(leave=True)
+    return pipe
+
+
+def prompt_embeddings(prompt: str, text_dim: int, seq_len: int = PROMPT_TOKENS["tiny"], seed: int = 0,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stand-in UMT5 output for ``prompt``: (1, seq_len, text_dim), deterministic from the text and
+    ``seed``. Like Wan's encoder output, rows past the prompt's tokens (one per word plus EOS) are zero."""
+    digest = hashlib.sha256(f"{seed}\0{prompt}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    n = max(1, min(seq_len, len(prompt.split()) + 1))
+    emb = torch.zeros(1, seq_len, text_dim)
+    emb[:, :n] = torch.randn(1, n, text_dim, generator=g)
+    return emb.to(dtype)
+
+
+def test_image(height: int, width: int):
+    """The I2V input image, made in code: smooth colour gradients with a disc (a PIL RGB image)."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    r = x / max(width - 1, 1)
+    g = y / max(height - 1, 1)
+    b = ((x - width / 2) ** 2 + (y - height / 2) ** 2 < (min(height, width) / 3) ** 2).astype(np.float32)
+    rgb = (np.stack([r, g, 0.2 + 0.6 * b], axis=-1) * 255).astype(np.uint8)
+    return Image.fromarray(rgb, "RGB")
+
+
+def pipeline_variant(pipe: Any) -> str:
+    """Which Wan 2.2 variant a pipeline is (from its class, expert count and config)."""
+    name = type(pipe).__name__
+    if name == "WanImageToVideoPipeline" or "ImageToVideo" in name:
+        return "i2v-a14b"
+    if getattr(pipe.config, "expand_timesteps", False):
+        return "ti2v-5b"
+    return "t2v-a14b"
+
+
+def call_kwargs(pipe: Any, prompt: str = "a red fox running through snow", negative_prompt: str = "",
+                frames: int | None = None, height: int | None = None, width: int | None = None,
+                steps: int = 3, guidance_scale: float = 4.0, seed: int = 0, tiny: bool = True,
+                variant: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``pipe(**kwargs)``: sizes (when not given: the variant's tiny defaults,
+    or 81 frames at 480x832 with ``tiny=False``), a seeded generator, the prompt (as precomputed
+    embeddings when the pipeline has no text encoder, as text otherwise) and, for I2V, an input
+    image made in code."""
+    variant = variant or pipeline_variant(pipe)
+    d_frames, d_height, d_width = VARIANT_PIPELINES[variant].size if tiny else (81, 480, 832)
+    frames, height, width = frames or d_frames, height or d_height, width or d_width
+    kwargs: dict[str, Any] = dict(num_frames=frames, height=height, width=width, num_inference_steps=steps,
+                                  guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(seed))
+    if getattr(pipe, "text_encoder", None) is None:
+        expert = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+        text_dim = expert.config.text_dim
+        kwargs.update(prompt_embeds=prompt_embeddings(prompt, text_dim, seed=seed),
+                      negative_prompt_embeds=prompt_embeddings(negative_prompt, text_dim, seed=seed))
+    else:
+        kwargs.update(prompt=prompt, negative_prompt=negative_prompt)
+    if type(pipe).__name__ == "WanImageToVideoPipeline":
+        kwargs["image"] = test_image(height, width)
+    return kwargs
+
+
+def load_pipeline(path: str | Path, dtype: torch.dtype = torch.bfloat16):
+    """A Wan 2.2 diffusers pipeline from a local directory (``local_files_only``: nothing is
+    downloaded): a real checkpoint (its UMT5 text encoder needs ``transformers``), or one saved with
+    ``save_pretrained`` (the tiny pipeline, without a text encoder, loads too)."""
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        raise PipelineUnavailable(
+            f"{path} is not a diffusers pipeline directory (no model_index.json); pass the directory of a "
+            "downloaded Wan 2.2 diffusers checkpoint, e.g. a local copy of Wan-AI/Wan2.2-T2V-A14B-Diffusers"
+        )
+    classes = pipeline_classes()  # clear error when transformers is missing
+    from diffusers import DiffusionPipeline
+
+    import json
+
+    # Components saved as [null, null] (a pipeline saved without a text encoder, like the tiny one)
+    # must be passed as None explicitly.
+    index = json.loads((path / "model_index.json").read_text())
+    absent = {k: None for k, v in index.items() if isinstance(v, list) and v and v[0] is None}
+    pipe = DiffusionPipeline.from_pretrained(str(path), local_files_only=True, dtype=dtype, **absent)
+    if not isinstance(pipe, tuple(classes.values())):
+        raise PipelineUnavailable(
+            f"{path} holds a {type(pipe).__name__}, not a Wan 2.2 pipeline ({', '.join(PIPELINE_CLASSES)})"
+        )
+    return pipe
+
+
+def tiny_text_dim(variant: str) -> int:
+    return config_for(variant, "tiny")["text_dim"]
