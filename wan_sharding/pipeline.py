@@ -158,7 +158,7 @@ class PipelineHandle:
                     e.sp.remove()
                 if e.moved:
                     _return_to_host(e)
-                self.backend.__dict__.get("_jit_cache", {}).pop(id(e.dit), None)  # jax: drop the compiled forward
+                self.backend.release(e.dit)  # jax: drop the compiled forward
                 if e.wrapper is not None:
                     e.wrapper._release()
                 if getattr(self.pipe, e.name, None) is not e.dit:

@@ -46,6 +46,9 @@ class Backend(abc.ABC):
         """Run one forward of ``dit`` on the mesh and return the output on the host (CPU)."""
         raise BackendError(f"the {self.name} backend cannot execute here")
 
+    def release(self, dit: torch.nn.Module) -> None:
+        """Forget anything compiled or cached for ``dit`` (nothing by default)."""
+
     def check_device_count(self, available: int, what: str) -> None:
         if available != self.mesh.num_devices:
             raise BackendError(

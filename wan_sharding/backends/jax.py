@@ -125,6 +125,9 @@ class JaxBackend(Backend):
             cache[id(dit)] = (dit, jax.jit(self.jax_forward(dit)))  # keep dit alive with its id
         return cache[id(dit)][1]
 
+    def release(self, dit: torch.nn.Module) -> None:
+        self.__dict__.get("_jit_cache", {}).pop(id(dit), None)
+
     def _device_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         import jax
         import torchax

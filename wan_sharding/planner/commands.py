@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from ..compile.lowering import latent_for
 from ..models import RESOLUTIONS, VARIANTS
 from .hardware import ARCHS, TOPOLOGIES
 from .ir_cost import ATTENTION_MODES
@@ -150,7 +151,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     progress = None if args.json or args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         report = plan_sharding(args.mesh, args.arch, args.variant, args.resolution,
-                               _latent(args.latent) if args.latent else None, top=args.top,
+                               latent_for(None, args.latent) if args.latent else None, top=args.top,
                                compile=not args.no_compile, attention=args.attention, topology=args.topology,
                                work_dir=args.out, timeout=args.timeout, keep=_restriction(args), progress=progress)
     except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
@@ -183,17 +184,6 @@ def _restriction(args: argparse.Namespace):
     if args.fsdp:
         tests.append(lambda p: p.fsdp == (args.fsdp == "on") or (args.fsdp == "on" and p.mesh().sp == 1))
     return (lambda p: all(t(p) for t in tests)) if tests else None
-
-
-def _latent(text: str) -> tuple[int, int, int]:
-    parts = text.replace("x", ",").split(",")
-    try:
-        vals = tuple(int(p) for p in parts)
-    except ValueError:
-        raise PlannerError(f"latent must be F,H,W integers, got {text!r}") from None
-    if len(vals) != 3:
-        raise PlannerError(f"latent must have three sizes F,H,W, got {text!r}")
-    return vals  # type: ignore[return-value]
 
 
 def add_subcommands(sub: Any) -> None:
