@@ -12,7 +12,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .plan import DEFAULT_PADDING
+from .workers import run_watched
 
 # Latent shapes of the embedded tiny cases. ``aligned``: 256 tokens, a multiple of SP*32 for every
 # preset up to SP 8. ``padded``: 105 tokens, padded to 128 (SP 1, 2) or 256 (SP 8).
@@ -152,11 +152,10 @@ def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path
         cmd += ["--case", str(case)]
     if save is not None:
         cmd += ["--save", str(save)]
-    proc = subprocess.run(cmd, env=backend_env(backend, mesh_from_preset(mesh).num_devices),
-                          capture_output=True, text=True, timeout=timeout)
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0:
-        raise RuntimeError(f"{backend} worker on {mesh} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    rc, results, out = run_watched(cmd, backend_env(backend, mesh_from_preset(mesh).num_devices),
+                                   label=f"{backend} check worker on {mesh}", timeout=timeout)
+    if rc != 0:
+        raise RuntimeError(f"{backend} worker on {mesh} failed (exit {rc}):\n{out[-4000:]}")
     return results
 
 

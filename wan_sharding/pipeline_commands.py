@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any, Callable
 
 from .mesh import PRESETS, mesh_from_preset
 from .plan import DEFAULT_PADDING
+from .workers import STALL_SECONDS, run_watched
 
 UNSHARDED = "unsharded"
 CPU_NOTE = "CPU virtual devices: timings compare configurations on this host; they are not hardware predictions"
@@ -57,82 +57,16 @@ def worker_env(backend: str, num_devices: int) -> dict[str, str]:
     return env
 
 
-STALL_SECONDS = 90  # a worker whose CPU time does not move for this long is hung, not slow
-
-
-def _cpu_ticks(pid: int) -> int | None:
-    """utime + stime of ``pid`` in clock ticks (Linux /proc), or None where unavailable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float, state: dict) -> None:
-    """Kill ``proc`` past ``timeout``, or when its CPU time has not moved for ``stall_s`` (a
-    deadlocked process uses no CPU; a slow or starved one still does)."""
-    start = last_change = time.monotonic()
-    last = _cpu_ticks(proc.pid)
-    while proc.poll() is None:
-        time.sleep(2.0)
-        now = time.monotonic()
-        ticks = _cpu_ticks(proc.pid)
-        if ticks is None or ticks != last:
-            last, last_change = ticks, now
-        if ticks is not None and now - last_change > stall_s:
-            state["stalled"] = True
-        elif timeout is not None and now - start > timeout:
-            state["timed_out"] = True
-        else:
-            continue
-        proc.kill()
-        return
-
-
 def run_worker(kind: str, params: dict[str, Any], backend: str, num_devices: int, echo: bool = True,
                timeout: float | None = None, stall_s: float = STALL_SECONDS,
                retries_on_stall: int = 1) -> tuple[int, list[dict[str, Any]], str]:
-    """Run one worker; returns (exit code, RESULT dicts, stdout). With ``echo`` its other stdout
-    lines are printed as they come and its stderr (progress bars) goes straight to ours.
-
-    A worker that stops using CPU for ``stall_s`` seconds is killed and started again (at most
-    ``retries_on_stall`` times): jaxlib 0.7.1 on this host occasionally deadlocks in its MLIR
-    verifier's thread pool (worker threads wait on the dynamic loader's lock, which the main
-    thread holds), seen twice in about fifty JAX worker runs on a 2-core host; a fresh process
-    runs normally.
+    """Run one ``pipeline_commands`` worker; returns (exit code, RESULT dicts, stdout). With
+    ``echo`` its other stdout lines are printed as they come and its stderr (progress bars) goes
+    straight to ours. A hung worker is restarted (see :func:`wan_sharding.workers.run_watched`).
     """
-    import threading
-
     cmd = [sys.executable, "-m", "wan_sharding.pipeline_commands", kind, json.dumps(params)]
-    for attempt in range(retries_on_stall + 1):
-        proc = subprocess.Popen(cmd, env=worker_env(backend, num_devices), stdout=subprocess.PIPE,
-                                stderr=None if echo else subprocess.PIPE, text=True)
-        state: dict[str, bool] = {}
-        threading.Thread(target=_watch, args=(proc, timeout, stall_s, state), daemon=True).start()
-        results, lines = [], []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("RESULT "):
-                results.append(json.loads(line[7:]))
-            elif echo:
-                print(line, end="", flush=True)
-        _, err = proc.communicate()
-        out = "".join(lines)
-        if proc.returncode and not echo and err:
-            out += "\n[stderr]\n" + err[-4000:]
-        if state.get("stalled"):
-            note = (f"{backend} worker ({kind}) made no progress for {stall_s:.0f} s and was stopped "
-                    "(hung: see run_worker's note on the jaxlib deadlock)")
-            print(note + ("; starting it again" if attempt < retries_on_stall else ""), file=sys.stderr, flush=True)
-            out += "\n" + note
-            if attempt < retries_on_stall:
-                continue
-        if state.get("timed_out"):
-            out += f"\n{backend} worker ({kind}) ran past its {timeout:.0f} s limit and was stopped"
-        return proc.returncode, results, out
+    return run_watched(cmd, worker_env(backend, num_devices), label=f"{backend} worker ({kind})", echo=echo,
+                       timeout=timeout, stall_s=stall_s, retries_on_stall=retries_on_stall)
     raise AssertionError("unreachable")
 
 
