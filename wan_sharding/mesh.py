@@ -11,7 +11,7 @@ entry per tensor dim, each ``None`` (replicated) or a mesh axis name, as in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 # Tenstorrent tensor tiles are 32x32: a per-device token count that is a multiple of this
 # keeps the SP scatter (ttnn.mesh_partition) tile-aligned.
@@ -21,26 +21,30 @@ TILE = 32
 # second, as the reference recipe lays out its ("batch", "model") mesh.
 DEFAULT_ROLES: Mapping[str, int] = {"sp": 0, "tp": 1}
 DEFAULT_AXIS_NAMES: tuple[str, str] = ("sp", "tp")
+# A planner decides the roles itself, so it names the physical axes by position instead.
+PHYSICAL_AXIS_NAMES: tuple[str, str] = ("rows", "cols")
 
-# Named presets: machine -> (sp, tp) mesh shape.
+# The one preset table: name -> (mesh shape, position of the SP axis, position of the TP axis,
+# machine). A preset named "AxB" has SP on its first axis; a variant with other roles says so in
+# its name.
+PRESET_TABLE: Mapping[str, tuple[tuple[int, int], int, int, str]] = {
+    "1x1": ((1, 1), 0, 1, "single card"),  # one n150 / p150 card
+    "1x2": ((1, 2), 0, 1, "n300/p300"),
+    "1x4": ((1, 4), 0, 1, "QuietBox"),  # Blackhole QuietBox, TP only
+    "1x8": ((1, 8), 0, 1, "QuietBox/T3K (line)"),  # Wormhole QuietBox / T3K as one line
+    "2x4": ((2, 4), 0, 1, "LoudBox/T3K"),
+    # Galaxy with TP over the 8-long axis (SP 4 / TP 8: 5 of Wan's 40 heads per device).
+    "4x8": ((4, 8), 0, 1, "Galaxy (SP 4 / TP 8)"),
+    # Galaxy as tt-metal's Wan 2.2 lays it out: a 4x8 view with SP on the 8-long axis (its
+    # sp_axis=1) and TP on the 4-long one. The same roles on the same links as "8x4".
+    "4x8-tt-metal": ((4, 8), 1, 0, "Galaxy (tt-metal layout)"),
+    "8x4": ((8, 4), 0, 1, "Galaxy"),  # tt-xla's layout: SP 8 / TP 4
+}
+# name -> (sp, tp) sizes, for listings and older callers.
 PRESETS: Mapping[str, tuple[int, int]] = {
-    "1x1": (1, 1),  # one n150 / p150 card
-    "1x2": (1, 2),  # n300 / p300 card
-    "1x4": (1, 4),  # QuietBox (Blackhole), TP only
-    "1x8": (1, 8),  # Wormhole QuietBox / T3K as one line
-    "2x4": (2, 4),  # LoudBox / T3K
-    "4x8": (4, 8),  # Galaxy in tt-metal's layout
-    "8x4": (8, 4),  # Galaxy in tt-xla's layout
+    name: (shape[sp], shape[tp]) for name, (shape, sp, tp, _) in PRESET_TABLE.items()
 }
-PRESET_MACHINES: Mapping[str, str] = {
-    "1x1": "single card",
-    "1x2": "n300/p300",
-    "1x4": "QuietBox",
-    "1x8": "QuietBox/T3K (line)",
-    "2x4": "LoudBox/T3K",
-    "4x8": "Galaxy (tt-metal layout)",
-    "8x4": "Galaxy",
-}
+PRESET_MACHINES: Mapping[str, str] = {name: row[3] for name, row in PRESET_TABLE.items()}
 # Device count -> preset used when the mesh comes from the number of visible devices.
 BY_DEVICE_COUNT: Mapping[int, str] = {1: "1x1", 2: "1x2", 4: "1x4", 8: "2x4", 32: "8x4"}
 
@@ -62,6 +66,7 @@ class MeshSpec:
     shape: tuple[int, ...]
     axis_names: tuple[str, ...] = DEFAULT_AXIS_NAMES
     roles: Mapping[str, str | tuple[str, ...] | None] | None = None
+    preset: str | None = None  # the preset this mesh was made from, if any (its name)
 
     def __post_init__(self) -> None:
         shape = tuple(int(s) for s in self.shape)
@@ -135,7 +140,8 @@ class MeshSpec:
 
     @property
     def name(self) -> str:
-        return "x".join(str(s) for s in self.shape)
+        """The preset's name, else the shape (``"2x4"``)."""
+        return self.preset or "x".join(str(s) for s in self.shape)
 
     def __str__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
@@ -148,13 +154,51 @@ def _axes(axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return axis if isinstance(axis, tuple) else (axis,)
 
 
-def mesh_from_preset(name: str, axis_names: tuple[str, str] = DEFAULT_AXIS_NAMES,
+def preset_key(name: str) -> str:
+    """A preset name as the table spells it (``"2 x 4"``, ``"(2,4)"`` -> ``"2x4"``); MeshError if unknown."""
+    key = str(name).lower().replace("(", "").replace(")", "").replace(",", "x").replace(" ", "")
+    if key not in PRESET_TABLE:
+        raise MeshError(f"unknown mesh {name!r}; known presets: {', '.join(PRESET_TABLE)}")
+    return key
+
+
+def mesh_from_preset(name: str, axis_names: tuple[str, str] | None = None,
                      roles: Mapping[str, str] | None = None) -> MeshSpec:
-    """The named preset (``"1x4"``, ``"2x4"``, ``"8x4"``, ...) as a :class:`MeshSpec`."""
-    key = name.lower().replace("(", "").replace(")", "").replace(",", "x").replace(" ", "")
-    if key not in PRESETS:
-        raise MeshError(f"unknown mesh {name!r}; known presets: {', '.join(PRESETS)}")
-    return MeshSpec(PRESETS[key], axis_names, roles)
+    """The named preset (``"1x4"``, ``"2x4"``, ``"8x4"``, ...) as a :class:`MeshSpec`.
+
+    Axes are named after their role (``"sp"``, ``"tp"``) unless ``axis_names`` says otherwise;
+    the roles follow the preset's table row either way.
+    """
+    key = preset_key(name)
+    shape, sp_pos, tp_pos, _ = PRESET_TABLE[key]
+    if axis_names is None:
+        names = ["", ""]
+        names[sp_pos], names[tp_pos] = "sp", "tp"
+        axis_names = (names[0], names[1])
+    if roles is None:
+        roles = {"sp": axis_names[sp_pos], "tp": axis_names[tp_pos]}
+    return MeshSpec(shape, tuple(axis_names), roles, preset=key)
+
+
+def parse_mesh_shape(value: str | Sequence[int]) -> tuple[int, int]:
+    """A mesh's shape from a preset name (``"8x4"``, ``"4x8-tt-metal"``), a ``"ROWSxCOLS"`` string
+    or a pair of sizes; MeshError naming the expected form otherwise."""
+    if isinstance(value, str):
+        try:
+            return PRESET_TABLE[preset_key(value)][0]
+        except MeshError:
+            pass
+        parts = value.lower().replace(",", "x").split("x")
+        try:
+            shape = tuple(int(p) for p in parts)
+        except ValueError:
+            raise MeshError(f"mesh must be a preset ({', '.join(PRESET_TABLE)}) or ROWSxCOLS such as 8x4, "
+                            f"got {value!r}") from None
+    else:
+        shape = tuple(int(s) for s in value)
+    if len(shape) != 2 or min(shape) < 1:
+        raise MeshError(f"mesh must be two positive sizes ROWSxCOLS (e.g. 8x4), got {value!r}")
+    return shape  # type: ignore[return-value]
 
 
 def mesh_for_device_count(n: int) -> MeshSpec:

@@ -1,23 +1,108 @@
-"""Worker processes that cannot hang the caller.
+"""The one way this package runs work in another process, and cleans up after it.
 
-Each backend runs in its own process (torch-xla and JAX both read ``XLA_FLAGS``). jaxlib 0.7.1
-on this host occasionally deadlocks in its MLIR verifier's thread pool (worker threads wait on
-the dynamic loader's lock, which the main thread holds): seen a few times in about fifty JAX
-worker runs on a 2-core host, and a fresh process runs normally. So a worker whose CPU time stops
-moving is killed and started again.
+Every job that needs a particular runtime (a PCC check, a pipeline, a profile, a tt-mlir compile)
+runs in a worker process: torch-xla and JAX both read ``XLA_FLAGS``, and the Tenstorrent plugin
+breaks JAX's CPU backend, so each stack gets a process of its own.
+
+The protocol, the same for every worker:
+
+- the parent starts ``python -m <module>`` with the job's parameters as one JSON document on stdin;
+- the worker (:func:`worker_main`) prints one ``RESULT {json}`` line per result on stdout; every
+  other line is log;
+- the parent (:func:`run_worker`) collects the results and the log.
+
+What the parent guarantees:
+
+- **a watchdog**: a worker whose CPU time stops moving for ``stall_s`` is hung, not slow (jaxlib
+  0.7.1 on a 2-core host occasionally deadlocks in its MLIR verifier's thread pool: worker threads
+  wait on the dynamic loader's lock, which the main thread holds; seen a few times in about fifty
+  JAX worker runs, and a fresh process runs normally). It is killed and started again
+  ``retries_on_stall`` times. One past ``timeout`` is killed.
+- **no orphans**: the worker runs in its own process group, which is killed when the parent leaves
+  :func:`run_worker` for any reason (an exception, Ctrl-C, SIGTERM once
+  :func:`install_signal_handlers` ran); the worker also asks the kernel to kill it if the parent
+  dies without cleaning up (``PR_SET_PDEATHSIG``, Linux).
+
+Files a job writes go through :func:`atomic_write` (a temporary name, renamed when complete), so an
+interrupted job leaves no half-written file that looks complete.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Iterable, Iterator, Mapping
 
 STALL_SECONDS = 90  # a worker whose CPU time does not move for this long is hung, not slow
+RESULT_PREFIX = "RESULT "
+# Set in every worker's environment: the parent's pid. Lets a test (or a user) find the workers
+# a command started.
+PARENT_ENV = "WAN_SHARDING_PARENT"
+
+
+class WorkerError(RuntimeError):
+    """A worker could not be started, or failed in a way the caller asked to be raised."""
+
+
+@dataclass
+class WorkerRun:
+    """What one worker run gave: its exit code, its ``RESULT`` dicts and its log."""
+
+    returncode: int
+    results: list[dict[str, Any]] = field(default_factory=list)
+    output: str = ""  # every non-RESULT line (with stderr when it was merged), plus watchdog notes
+    stalled: bool = False
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+# ------------------------------------------------------------------------------------ parent side
+
+_LIVE: set[subprocess.Popen] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the worker and anything it started (its own process group)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=10)
+
+
+@atexit.register
+def _kill_all() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for proc in live:
+        _kill_group(proc)
+
+
+def install_signal_handlers() -> None:
+    """Make SIGTERM and SIGHUP end this process the way Ctrl-C does (an exception that unwinds
+    through :func:`run_worker`, which kills its worker). For command-line entry points; call from
+    the main thread."""
+
+    def _raise(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread / not on this OS
+            signal.signal(sig, _raise)
 
 
 def _cpu_ticks(pid: int) -> int | None:
@@ -36,7 +121,7 @@ def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float, state:
     start = last_change = time.monotonic()
     last = _cpu_ticks(proc.pid)
     while proc.poll() is None:
-        time.sleep(2.0)
+        time.sleep(1.0)
         now = time.monotonic()
         ticks = _cpu_ticks(proc.pid)
         if ticks is None or ticks != last:
@@ -47,51 +132,172 @@ def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float, state:
             state["timed_out"] = True
         else:
             continue
-        proc.kill()
+        _kill_group(proc)
         return
 
 
-def run_watched(cmd: list[str], env: dict[str, str], *, label: str, echo: bool = False,
-                timeout: float | None = None, stall_s: float = STALL_SECONDS,
-                retries_on_stall: int = 1) -> tuple[int, list[dict[str, Any]], str]:
-    """Run ``cmd``; returns (exit code, the ``RESULT {json}`` lines it printed, its stdout).
+def run_worker(module: str, params: Any, env: Mapping[str, str] | None = None, *, label: str,
+               echo: bool = False, merge_stderr: bool | None = None, log_file: str | os.PathLike[str] | None = None,
+               timeout: float | None = None, stall_s: float = STALL_SECONDS, retries_on_stall: int = 1,
+               python: str | None = None) -> WorkerRun:
+    """Run ``python -m module`` with ``params`` (JSON) on stdin until it exits.
 
-    With ``echo`` its other stdout lines are printed as they come and its stderr goes straight to
-    ours; otherwise the tail of its stderr is appended to the returned text on failure. A process
-    that uses no CPU for ``stall_s`` seconds is killed and run again, at most ``retries_on_stall``
-    times; one past ``timeout`` is killed.
+    Args:
+        module: the worker module (its ``__main__`` calls :func:`worker_main`).
+        params: the job's parameters, any JSON-serialisable value.
+        env: the worker's environment (default: this process's).
+        label: how messages name this worker.
+        echo: print the worker's non-RESULT stdout lines as they come.
+        merge_stderr: send the worker's stderr into the same stream (kept in ``output`` and
+            ``log_file``); default: merged unless ``echo``, where stderr (progress bars) goes
+            straight to ours.
+        log_file: also write every line of the log there.
+        timeout: wall-clock seconds before the worker is killed.
+        stall_s: seconds without CPU progress before the worker counts as hung.
+        retries_on_stall: how many times a hung worker is started again.
+        python: the interpreter (default: this one).
+
+    Returns:
+        A :class:`WorkerRun`. A non-zero exit is a result, not an exception.
+
+    Raises:
+        WorkerError: the worker could not be started.
     """
+    merge = (not echo) if merge_stderr is None else merge_stderr
+    cmd = [python or sys.executable, "-m", module]
+    child_env = dict(os.environ if env is None else env)
+    child_env[PARENT_ENV] = str(os.getpid())
+    payload = json.dumps(params)
+    run = WorkerRun(returncode=-1)
     for attempt in range(retries_on_stall + 1):
-        # stderr to a file, not a pipe: a chatty worker (XLA warnings) would block on a full pipe
-        # while we read stdout, and look hung.
-        errfile = None if echo else tempfile.TemporaryFile(mode="w+")
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errfile, text=True)
-        state: dict[str, bool] = {}
-        threading.Thread(target=_watch, args=(proc, timeout, stall_s, state), daemon=True).start()
-        results, lines = [], []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("RESULT "):
-                results.append(json.loads(line[7:]))
-            elif echo:
-                print(line, end="", flush=True)
-        proc.wait()
-        err = ""
-        if errfile is not None:
-            errfile.seek(0)
-            err = errfile.read()
-            errfile.close()
-        out = "".join(lines)
-        if proc.returncode and not echo and err:
-            out += "\n[stderr]\n" + err[-4000:]
-        if state.get("stalled"):
-            note = (f"{label} made no progress for {stall_s:.0f} s and was stopped "
-                    "(hung: see wan_sharding.workers on the jaxlib deadlock)")
+        run = _run_once(cmd, payload, child_env, label, echo, merge, log_file, timeout, stall_s)
+        if run.stalled:
+            note = f"{label} made no progress for {stall_s:.0f} s and was stopped (hung)"
             print(note + ("; starting it again" if attempt < retries_on_stall else ""), file=sys.stderr, flush=True)
-            out += "\n" + note
+            run.output += "\n" + note
             if attempt < retries_on_stall:
                 continue
-        if state.get("timed_out"):
-            out += f"\n{label} ran past its {timeout:.0f} s limit and was stopped"
-        return proc.returncode, results, out
+        if run.timed_out:
+            run.output += f"\n{label} ran past its {timeout:.0f} s limit and was stopped"
+        return run
+    return run
+
+
+def _run_once(cmd: list[str], payload: str, env: dict[str, str], label: str, echo: bool, merge: bool,
+              log_file: str | os.PathLike[str] | None, timeout: float | None, stall_s: float) -> WorkerRun:
+    # Unmerged stderr goes to ours (echo) or to a file, never a pipe we do not read: a chatty
+    # worker (XLA warnings) would block on a full pipe and look hung.
+    err: IO[str] | int | None
+    err = subprocess.STDOUT if merge else (None if echo else tempfile.TemporaryFile(mode="w+"))
+    log = open(log_file, "w") if log_file is not None else None
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                text=True, errors="replace", start_new_session=True)
+    except OSError as e:
+        raise WorkerError(f"cannot start {label} ({' '.join(cmd)}): {e}") from e
+    with _LIVE_LOCK:
+        _LIVE.add(proc)
+    state: dict[str, bool] = {}
+    results: list[dict[str, Any]] = []
+    lines: list[str] = []
+    try:
+        threading.Thread(target=_watch, args=(proc, timeout, stall_s, state), daemon=True).start()
+        assert proc.stdin is not None and proc.stdout is not None
+        with contextlib.suppress(BrokenPipeError):  # a worker that fails at start-up
+            proc.stdin.write(payload)
+            proc.stdin.close()
+        for line in proc.stdout:
+            if line.startswith(RESULT_PREFIX):
+                results.append(json.loads(line[len(RESULT_PREFIX):]))
+                continue
+            lines.append(line)
+            if log is not None:
+                log.write(line)
+            if echo:
+                print(line, end="", flush=True)
+        proc.wait()
+    finally:
+        _kill_group(proc)  # no-op after a normal exit; Ctrl-C or an exception lands here too
+        with _LIVE_LOCK:
+            _LIVE.discard(proc)
+        if log is not None:
+            log.close()
+    output = "".join(lines)
+    if hasattr(err, "seek"):
+        err.seek(0)  # type: ignore[union-attr]
+        text = err.read()  # type: ignore[union-attr]
+        err.close()  # type: ignore[union-attr]
+        if proc.returncode and text:
+            output += "\n[stderr]\n" + text[-4000:]
+    return WorkerRun(proc.returncode, results, output, bool(state.get("stalled")), bool(state.get("timed_out")))
+
+
+# ------------------------------------------------------------------------------------ worker side
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        parent = os.environ.get(PARENT_ENV)
+        if parent and os.getppid() != int(parent):  # the parent died before the request took
+            os._exit(1)
+
+
+def emit(result: Mapping[str, Any]) -> None:
+    """Send one result to the parent (one ``RESULT`` line on stdout)."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def worker_main(job: Callable[[Any], Iterable[Mapping[str, Any]] | None],
+                expected: tuple[type[BaseException], ...] = ()) -> int:
+    """The worker side of :func:`run_worker`: read the parameters from stdin, run ``job`` on them
+    and emit what it returns (a job may also :func:`emit` as it goes). An exception of a type in
+    ``expected`` is a usage error: one line on stderr, exit 2."""
+    _die_with_parent()
+    params = json.loads(sys.stdin.read() or "null")
+    try:
+        for result in job(params) or ():
+            emit(result)
+    except expected as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+# ------------------------------------------------------------------------------------ files
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; when the block completes it is renamed to ``path``,
+    otherwise removed. Readers never see a half-written ``path``."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would outlive the rename
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file and a rename; returns ``path``."""
+    with atomic_path(path) as tmp:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+    return Path(path)

@@ -1,0 +1,52 @@
+"""The package's vocabulary: the names every command, request and report uses for the same choice.
+
+One place, so a command line, a ``CompileRequest`` and a JSON report cannot drift apart
+(``fp32`` in one, ``f32`` in another). Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# ---- dtypes ----------------------------------------------------------------------------------
+# The two compute dtypes a Wan run uses, by their short names.
+DTYPES: tuple[str, ...] = ("fp32", "bf16")
+# Spellings accepted on input (older commands said ``f32``); every output uses the short name.
+DTYPE_ALIASES: dict[str, str] = {"fp32": "fp32", "f32": "fp32", "float32": "fp32",
+                                 "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def dtype_name(value: Any) -> str:
+    """``"fp32"`` or ``"bf16"`` for a name, an alias or a ``torch.dtype``; ValueError otherwise."""
+    text = str(value).removeprefix("torch.")
+    if text not in DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {value!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPE_ALIASES[text]
+
+
+def torch_dtype(value: Any):
+    """The ``torch.dtype`` for a dtype name or alias."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name(value)]
+
+
+# ---- padding ---------------------------------------------------------------------------------
+# How the flat token dim is padded to SP x 32 and attention kept exact
+# (``wan_sharding.attention`` implements each; ``docs/design.md`` says what each costs).
+PADDING_NAMES: tuple[str, ...] = ("mask", "slice", "none")
+# The key mask keeps attention exact with no op per block; K/V slice-back adds two slices to every
+# block (measured: README, "Why mask is the default").
+DEFAULT_PADDING = "mask"
+
+
+def padding_name(value: Any) -> str:
+    """A known padding mode name, unchanged; ValueError naming the choices otherwise."""
+    if value not in PADDING_NAMES:
+        raise ValueError(f"unknown padding mode {value!r}; choose one of {', '.join(PADDING_NAMES)}")
+    return value
+
+
+# ---- executing backends ----------------------------------------------------------------------
+# Backends that run a forward on CPU virtual devices here (``tt`` needs Tenstorrent's stack).
+CPU_BACKENDS: tuple[str, ...] = ("xla", "jax")
