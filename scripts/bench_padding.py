@@ -1,8 +1,8 @@
 """Side by side: what each padding mode costs in the compiled TTNN graph of the full DiT.
 
 Full-size T2V-A14B (40 blocks, abstract weights, bf16) compiled through tt-mlir in compile-only
-mode at 480p and 720p on 1x4, 2x4 and 8x4, for the unpadded graph, ``slice`` (the design seed's
-K/V slice-back) and ``mask`` (one additive key mask per forward). Each configuration is also
+mode at 480p and 720p on 1x4, 2x4 and 8x4, for the unpadded graph, ``slice`` (K/V sliced back in
+every block) and ``mask`` (one additive key mask per forward). Each configuration is also
 compiled with 1 block: the difference of the two depths splits every op count into what one block
 adds and what the forward adds once. Against the unpadded graph that gives the ops present only
 because of padding, per block and per forward (deallocations not counted).
@@ -16,21 +16,20 @@ Writes results/padding.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
-from wan_sharding.compile import ttnn_ir
-from wan_sharding.compile.lowering import CompileRequest, compile_many, latent_for
+from wan_sharding.compile import (DATA_MOVEMENT_OPS, CompileRequest, TTNNModule, bill_ok, compile_many, latent_for,
+                                  padding_cost, per_block_bill, split_ops, tile_alignment)
 from wan_sharding.mesh import mesh_from_preset
+from wan_sharding.workers import atomic_write
 
 MODES = ("none", "slice", "mask")
 DEPTHS = (1, 40)
 
 
-def collective_bytes(module: ttnn_ir.TTNNModule) -> int:
+def collective_bytes(module: TTNNModule) -> int:
     """Bytes per device the collectives of one graph produce (gathered / reduced results)."""
     return sum(c.bytes for c in module.collectives if c.kind != "mesh_partition")
 
@@ -61,7 +60,7 @@ def main() -> int:
             mods = {}
             for mode in MODES:
                 pair = [by_key[(res, mesh, mode, d)] for d in DEPTHS]
-                mods[mode] = [ttnn_ir.TTNNModule.from_file(r.ttnn_path) if r.ok else None for r in pair]
+                mods[mode] = [TTNNModule.from_file(r.ttnn_path) if r.ok else None for r in pair]
             for mode in MODES:
                 shallow, deep = mods[mode]
                 r = by_key[(res, mesh, mode, DEPTHS[1])]
@@ -73,27 +72,26 @@ def main() -> int:
                     rows.append(row)
                     continue
                 hist = deep.histogram()
-                per_block, per_forward = ttnn_ir.split_ops(shallow, deep, *DEPTHS)
+                per_block, per_forward = split_ops(shallow, deep, *DEPTHS)
                 m = mesh_from_preset(mesh)
-                bill = ttnn_ir.per_block_bill(shallow, deep, *DEPTHS, m)
+                bill = per_block_bill(shallow, deep, *DEPTHS, m)
                 row.update(
                     total_ops=sum(hist.values()),
                     ops={k: hist.get(k, 0) for k in ("slice_static", "pad", "concat", "mesh_partition",
                                                      "all_gather", "all_reduce")},
-                    data_movement_ops=sum(hist.get(k, 0) for k in ttnn_ir.DATA_MOVEMENT_OPS),
+                    data_movement_ops=sum(hist.get(k, 0) for k in DATA_MOVEMENT_OPS),
                     per_block_ops_total=sum(per_block.values()), per_forward_ops_total=sum(per_forward.values()),
-                    bill=bill.totals(), bill_ok=ttnn_ir.bill_ok(bill, m),
+                    bill=bill.totals(), bill_ok=bill_ok(bill, m),
                     collective_bytes_per_device=collective_bytes(deep),
-                    tile_aligned=ttnn_ir.tile_alignment(deep, m)["aligned"],
+                    tile_aligned=tile_alignment(deep, m)["aligned"],
                 )
                 if mode != "none" and all(mods["none"]):
-                    cost = ttnn_ir.padding_cost((shallow, deep), tuple(mods["none"]), DEPTHS)
+                    cost = padding_cost((shallow, deep), tuple(mods["none"]), DEPTHS)
                     row.update(padding_ops_per_block=cost["per_block"], padding_ops_per_forward=cost["per_forward"])
                 rows.append(row)
 
     wall = time.perf_counter() - start
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
+    atomic_write(args.out, json.dumps({
         "what": "full T2V-A14B, 40 blocks, bf16, tt-mlir compile-only; per block / per forward from 1- vs 40-block graphs",
         "arch": args.arch, "command": " ".join(["scripts/bench_padding.py", *sys.argv[1:]]),
         "wall_seconds": round(wall, 1), "rows": rows}, indent=1) + "\n")

@@ -1,7 +1,7 @@
 """How well does the planner's cost model predict what was measured? Writes ``results/plan.json``.
 
-The one hardware comparison this project has for the tt-xla path is the design seed's: Wan 2.2
-A14B at 480p, warm, ~77 s on a 1x4 mesh with TP only and ~41 s on a 2x4 mesh with TP 4 + SP 2
+The one hardware comparison this project has for the tt-xla path (``docs/hardware-facts.md``): Wan
+2.2 A14B at 480p, warm, ~77 s on a 1x4 mesh with TP only and ~41 s on a 2x4 mesh with TP 4 + SP 2
 (ratio ~1.88), both before tile padding was added (480p ran unpadded). This script predicts the
 two with the planner's cost model, both stages:
 
@@ -9,7 +9,7 @@ two with the planner's cost model, both stages:
 - compiled (stage 2: the full-width 1- and 2-block proxies compiled by tt-mlir, compile-only, and
   costed op by op from their TTNN programs, scaled to 40 blocks);
 
-on Wormhole and on Blackhole figures (the seed does not say which chips it ran; the mesh presets
+on Wormhole and on Blackhole figures (the measurement does not say which chips ran; the mesh presets
 name a Blackhole QuietBox for 1x4 and a LoudBox/T3000 for 2x4, so the mixed pairing is reported
 too), and records the predicted ratio, its error against 1.88, and the absolute error.
 
@@ -36,22 +36,24 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from wan_sharding.compile import sysdesc  # noqa: E402
-from wan_sharding.compile.lowering import compile_many  # noqa: E402
+from wan_sharding.compile import compile_many, sysdesc  # noqa: E402
+from wan_sharding.mesh import PHYSICAL_AXIS_NAMES as N  # noqa: E402
 from wan_sharding.plan import ShardingPlan  # noqa: E402
-from wan_sharding.planner import analytic, compiled, hardware  # noqa: E402
-from wan_sharding.planner.candidates import AXIS_NAMES as N  # noqa: E402
-from wan_sharding.planner.workload import Workload  # noqa: E402
+from wan_sharding.planner import (Workload, chip, estimate_from_results, fabric_for, plan_sharding,  # noqa: E402
+                                  requests_for)
+from wan_sharding.planner.analytic import block_cost  # noqa: E402
+from wan_sharding.workers import atomic_write  # noqa: E402
 
-# Reference: shared/reference/wan22-facts.md ("design seed: 480p warm time, TP-only 1x4 vs TP+SP 2x4").
-SEED = {"1x4_seconds": 77.0, "2x4_seconds": 41.0, "source": "design seed 003 (~77 s vs ~41 s, warm, 480p)"}
-SEED["ratio"] = SEED["1x4_seconds"] / SEED["2x4_seconds"]
+# Reference: docs/hardware-facts.md (480p warm time, TP-only 1x4 vs TP+SP 2x4).
+MEASURED = {"1x4_seconds": 77.0, "2x4_seconds": 41.0,
+            "source": "docs/hardware-facts.md (~77 s vs ~41 s, warm, 480p)"}
+MEASURED["ratio"] = MEASURED["1x4_seconds"] / MEASURED["2x4_seconds"]
 
-# The two plans the seed ran: TP 4 on the 4-chip axis; on 2x4 also SP 2 on the other. Unpadded.
+# The two plans measured: TP 4 on the 4-chip axis; on 2x4 also SP 2 on the other. Unpadded.
 TP_ONLY_1X4 = ShardingPlan((1, 4), N, (), ("cols",), padding="none")
 TP_SP_2X4 = ShardingPlan((2, 4), N, ("rows",), ("cols",), padding="none")
 
-# tt-metal model card figures (reference: wan22-facts.md): seconds per DiT forward.
+# tt-metal model card figures (reference: docs/hardware-facts.md): seconds per DiT forward.
 METAL = [
     {"what": "tt-metal WH LoudBox 2x4 SP2/TP4, 480p", "arch": "wormhole_b0", "resolution": "480p",
      "plan": ShardingPlan((2, 4), N, ("rows",), ("cols",), fsdp=True, padding="mask"), "seconds": 735.0 / 80},
@@ -69,18 +71,18 @@ def _components(c) -> dict[str, float]:
 
 def compile_and_cost(arch: str, jobs: list[tuple[str, Workload, ShardingPlan]], work: Path) -> dict[str, dict]:
     """Compile every (name, workload, plan) at 1 and 2 blocks in one worker batch; cost on ``arch``."""
-    chip = hardware.chip(arch)
+    the_chip = chip(arch)
     reqs = []
     for i, (_, w, p) in enumerate(jobs):
-        reqs += compiled.requests_for(w, p, work / arch / f"p{i}")
+        reqs += requests_for(w, p, work / arch / f"p{i}")
     t0 = time.perf_counter()
     results = compile_many(reqs, arch, timeout=1800, work_dir=work / arch)
     print(f"{arch}: {len(reqs)} compiles in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     out = {}
     for i, (name, w, p) in enumerate(jobs):
-        fabric = hardware.fabric_for(arch, p.mesh_shape)
-        est = compiled.estimate_from_results(w, p, results[2 * i], results[2 * i + 1], chip, fabric)
-        per_block = analytic.block_cost(w, p, chip, fabric)
+        fabric = fabric_for(arch, p.mesh_shape)
+        est = estimate_from_results(w, p, results[2 * i], results[2 * i + 1], the_chip, fabric)
+        per_block = block_cost(w, p, the_chip, fabric)
         row = {"plan": p.name, "workload": w.label, "fabric": fabric.describe(),
                "analytic_seconds": round(w.layers * per_block.total, 3),
                "analytic_per_forward": _components(per_block.scaled(w.layers)),
@@ -107,9 +109,9 @@ def ratio_rows(costs: dict[str, dict[str, dict]]) -> list[dict]:
             r = t1 / t2
             rows.append({"pairing": f"1x4 {a1} / 2x4 {a2}", "stage": stage, "predicted_1x4_s": t1,
                          "predicted_2x4_s": t2, "predicted_ratio": round(r, 3),
-                         "ratio_error_pct": round(100 * (r - SEED["ratio"]) / SEED["ratio"], 1),
-                         "measured_over_predicted_1x4": round(SEED["1x4_seconds"] / t1, 2),
-                         "measured_over_predicted_2x4": round(SEED["2x4_seconds"] / t2, 2)})
+                         "ratio_error_pct": round(100 * (r - MEASURED["ratio"]) / MEASURED["ratio"], 1),
+                         "measured_over_predicted_1x4": round(MEASURED["1x4_seconds"] / t1, 2),
+                         "measured_over_predicted_2x4": round(MEASURED["2x4_seconds"] / t2, 2)})
     return rows
 
 
@@ -141,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                       "model_seconds_per_forward": pred,
                       "model_over_tt_metal": None if pred is None else round(pred / m["seconds"], 2)})
     result = {
-        "what": "planner cost model vs the design seed's measured 1x4 TP-only / 2x4 TP+SP warm times at 480p",
-        "reference": SEED,
+        "what": "planner cost model vs the measured 1x4 TP-only / 2x4 TP+SP warm times at 480p",
+        "reference": MEASURED,
         "plans": {"1x4": TP_ONLY_1X4.to_dict(), "2x4": TP_SP_2X4.to_dict()},
         "primary": primary,
         "ratios": rows,
@@ -155,15 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             "tt_metal_context compares the model's estimate for tt-metal's configurations with tt-metal's "
             "model-card times: a different (fused) program on the same chips",
         ],
-        "chips": {a: {"peak_tflops": hardware.chip(a).peak_tflops,
-                      "matmul_efficiency": hardware.chip(a).matmul_efficiency,
-                      "dram_gbps": hardware.chip(a).dram_gbps} for a in ("wormhole_b0", "blackhole")},
+        "chips": {a: {"peak_tflops": chip(a).peak_tflops,
+                      "matmul_efficiency": chip(a).matmul_efficiency,
+                      "dram_gbps": chip(a).dram_gbps} for a in ("wormhole_b0", "blackhole")},
         "plugin": f"{sysdesc.PLUGIN_DIST}=={sysdesc.installed_plugin_version()}",
         "host": f"{platform.machine()}, python {platform.python_version()}",
     }
     if args.with_plans:
-        from wan_sharding.planner.search import plan_sharding
-
         result["planner_runs"] = {}
         for mesh, arch in (("8x4", "wormhole_b0"), ("2x4", "wormhole_b0"), ("2x4", "blackhole")):
             t = time.perf_counter()
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             data = rep.to_json()
             data["wall_seconds"] = round(time.perf_counter() - t, 1)
             path = Path(args.out).with_name(f"plan_{mesh}_{arch}_480p.json")
-            path.write_text(json.dumps(data, indent=1) + "\n")
+            atomic_write(path, json.dumps(data, indent=1) + "\n")
             rec = data["recommended"]
             result["planner_runs"][f"{mesh} {arch}"] = {
                 "file": path.name, "wall_seconds": data["wall_seconds"],
@@ -179,14 +179,14 @@ def main(argv: list[str] | None = None) -> int:
                 "estimated_seconds_per_forward": None if rec is None else rec["estimated_seconds_per_forward"],
                 "memory_per_chip_gb": None if rec is None else rec["memory_per_chip_gb"]}
     result["wall_seconds"] = round(time.perf_counter() - t0, 1)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write(args.out, json.dumps(result, indent=1) + "\n")
     print(f"{'pairing':<40} {'stage':<9} {'1x4 s':>7} {'2x4 s':>7} {'ratio':>6} {'err %':>6} "
           f"{'meas/pred 1x4':>13} {'2x4':>5}")
     for r in rows:
         print(f"{r['pairing']:<40} {r['stage']:<9} {r['predicted_1x4_s']:>7.2f} {r['predicted_2x4_s']:>7.2f} "
               f"{r['predicted_ratio']:>6.2f} {r['ratio_error_pct']:>+6.1f} {r['measured_over_predicted_1x4']:>13.2f} "
               f"{r['measured_over_predicted_2x4']:>5.2f}")
-    print(f"measured: {SEED['1x4_seconds']:g} s / {SEED['2x4_seconds']:g} s = {SEED['ratio']:.2f}")
+    print(f"measured: {MEASURED['1x4_seconds']:g} s / {MEASURED['2x4_seconds']:g} s = {MEASURED['ratio']:.2f}")
     for m in metal:
         print(f"{m['what']:<42} tt-metal {m['tt_metal_seconds_per_forward']:.2f} s, "
               f"model {m['model_seconds_per_forward']} s")

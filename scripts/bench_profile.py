@@ -28,17 +28,19 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from wan_sharding.pipeline_commands import CPU_NOTE, PROFILE_LATENTS, UNSHARDED, _num_devices, run_worker  # noqa: E402
+from wan_sharding.jobs.launch import UNSHARDED  # noqa: E402
+from wan_sharding.jobs.profile import CPU_NOTE, PROFILE_LATENTS, run_profile  # noqa: E402
+from wan_sharding.workers import WorkerError, atomic_write, install_signal_handlers  # noqa: E402
 
 
 def profile(backend: str, mesh: str, padding: str, args: argparse.Namespace) -> list[dict]:
     params = dict(backend=backend, mesh=mesh, padding=padding, what=["dit", "step"], variant=args.variant,
                   warmup=args.warmup, iters=args.iters, resolution=args.resolution, latent=args.latent,
                   dtype=args.dtype)
-    rc, results, out = run_worker("profile", params, backend, _num_devices([mesh]), echo=False, timeout=1800)
-    if rc != 0:
-        raise RuntimeError(f"profile worker {backend} {mesh} {padding} failed (exit {rc}):\n{out[-3000:]}")
-    return results
+    run = run_profile(params, echo=False, timeout=1800)
+    if not run.ok:
+        raise WorkerError(f"profile worker {backend} {mesh} {padding} failed (exit {run.returncode}):\n{run.output[-3000:]}")
+    return run.results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--out", default=str(ROOT / "results" / "profile.json"))
     args = ap.parse_args(argv)
+    install_signal_handlers()
 
     start = time.perf_counter()
     rows: list[dict] = []
@@ -89,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
           + ".\n")
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    atomic_write(out, json.dumps({
         "note": CPU_NOTE, "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                                    "python": platform.python_version()},
         "command": "python scripts/bench_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),

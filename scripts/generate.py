@@ -25,18 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from wan_sharding.mesh import PRESETS, mesh_from_preset  # noqa: E402  (light: no JAX / torch-xla)
-from wan_sharding.plan import DEFAULT_PADDING  # noqa: E402
+from wan_sharding.mesh import PRESET_TABLE, mesh_from_preset  # noqa: E402  (light: no JAX / torch-xla)
+from wan_sharding.options import DEFAULT_PADDING, PADDING_NAMES  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mesh", default="2x4", choices=list(PRESETS))
+    ap.add_argument("--mesh", default="2x4", choices=list(PRESET_TABLE))
     ap.add_argument("--backend", default="jax", choices=["jax", "xla", "tt"])
     ap.add_argument("--variant", default="t2v-a14b", choices=["t2v-a14b", "i2v-a14b", "ti2v-5b"])
     ap.add_argument("--model", help="local diffusers Wan 2.2 checkpoint directory (needs transformers)")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--padding", default=DEFAULT_PADDING, choices=["slice", "mask", "none"])
+    ap.add_argument("--padding", default=DEFAULT_PADDING, choices=list(PADDING_NAMES))
     ap.add_argument("--prompt", default="a red fox running through fresh snow, golden hour")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "results" / "generate"))
@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from wan_sharding.pipeline import diffusers_without_torch_xla, shard_pipeline
-    from wan_sharding.pipeline_commands import write_video
+    from wan_sharding.pipeline import diffusers_without_torch_xla, shard_pipeline, write_video
 
     if args.backend == "jax":
         diffusers_without_torch_xla()  # before diffusers' pipelines are imported: one XLA runtime per process
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         from wan_sharding.backends.xla import enable_spmd
 
         enable_spmd()  # torch-xla SPMD, before the first XLA op
-    from wan_sharding.tiny_pipeline import build_tiny_pipeline, call_kwargs, load_pipeline
+    from wan_sharding.pipeline.tiny import build_tiny_pipeline, call_kwargs, load_pipeline
 
     # 2. A pipeline: a real checkpoint, or the tiny one built offline.
     if args.model:

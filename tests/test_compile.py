@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from wan_sharding.compile import sysdesc, ttnn_ir
-from wan_sharding.compile.commands import EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, add_subcommands
-from wan_sharding.compile.lowering import CompileError, CompileRequest, CompileResult, compile_many, latent_for
+from wan_sharding.cli.compile import add_subcommands
+from wan_sharding.compile import (EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, CompileResult,
+                                  bill_problems, compile_many, latent_for, padding_cost, per_block_bill, sysdesc,
+                                  tile_alignment, ttnn_ir)
 from wan_sharding.mesh import mesh_from_preset
 
 needs_plugin = pytest.mark.skipif(sysdesc.installed_plugin_version() is None,
@@ -70,13 +71,13 @@ def test_two_block_proxy_bill_matches_design(compiled: dict[str, CompileResult],
     one, two = _module(compiled[f"{mesh}/slice/1"]), _module(compiled[f"{mesh}/slice/2"])
     assert two.mesh_shape == m.shape
 
-    bill = ttnn_ir.per_block_bill(one, two, 1, 2, mesh)
-    assert ttnn_ir.bill_problems(bill, mesh) == []
+    bill = per_block_bill(one, two, 1, 2, mesh)
+    assert bill_problems(bill, mesh) == []
     assert bill.totals() == ({"large": 5, "small": 4} if m.sp > 1 else {"large": 3, "small": 4})
     assert bill.counts() == ({"all_gather": 2, "all_reduce": 7} if m.sp > 1 else {"all_reduce": 7})
 
-    # The design's STATE A: the residual stream is (B, L/sp, D) per device with D whole, so the
-    # row-parallel all-reduces carry L/sp x 5120 and the K/V gathers L/sp tokens x 10 local heads.
+    # The design's layout (docs/design.md): the residual stream is (B, L/sp, D) per device with D
+    # whole, so the row-parallel all-reduces carry L/sp x 5120 and the K/V gathers L/sp tokens x 10 local heads.
     local = L_480P_PADDED // m.sp
     large = {(e.kind, e.axis, e.payload) for e in bill.entries if e.size == "large"}
     want = {("all_reduce", "tp", f"1x1x{local}x5120xbf16")}
@@ -91,7 +92,7 @@ def test_two_block_proxy_bill_matches_design(compiled: dict[str, CompileResult],
     assert counts.get("all_reduce") == 2 * 7 + 2
     assert counts.get("all_gather", 0) == (2 * 2 + 1 if m.sp > 1 else 0)
     assert counts.get("mesh_partition", 0) == (4 if m.sp > 1 else 0)
-    assert ttnn_ir.tile_alignment(two, mesh)["aligned"]
+    assert tile_alignment(two, mesh)["aligned"]
 
 
 # ---------------------------------------------------------------------- the replicated anchor
@@ -122,24 +123,24 @@ def test_replicated_anchor_is_still_needed(compiled: dict[str, CompileResult], m
 
 @needs_plugin
 def test_unpadded_sp8_is_not_tile_aligned(compiled: dict[str, CompileResult]) -> None:
-    # 32760 / 8 = 4095 tokens per device: tt-mlir compiles it, the hardware's scatter would not.
-    bare = ttnn_ir.tile_alignment(_module(compiled["8x4/none/2"]), "8x4")
+    # 32760 / 8 = 4095 tokens per device: tt-mlir compiles it, but it is not whole tiles (docs/tt-mlir-notes.md).
+    bare = tile_alignment(_module(compiled["8x4/none/2"]), "8x4")
     assert not bare["aligned"]
     assert bare["token_dims"] == [L_480P // 8]
     assert bare["misaligned"]
 
-    padded = ttnn_ir.tile_alignment(_module(compiled["8x4/slice/2"]), "8x4")
+    padded = tile_alignment(_module(compiled["8x4/slice/2"]), "8x4")
     assert padded["aligned"] and padded["token_dims"] == [L_480P_PADDED // 8]
     assert compiled["8x4/slice/2"].padded_tokens == L_480P_PADDED
 
     # SP 2: 16380 is not a whole number of tiles either.
-    assert ttnn_ir.tile_alignment(_module(compiled["2x4/none/2"]), "2x4")["token_dims"] == [L_480P // 2]
-    assert not ttnn_ir.tile_alignment(_module(compiled["2x4/none/2"]), "2x4")["aligned"]
+    assert tile_alignment(_module(compiled["2x4/none/2"]), "2x4")["token_dims"] == [L_480P // 2]
+    assert not tile_alignment(_module(compiled["2x4/none/2"]), "2x4")["aligned"]
 
 
 @needs_plugin
 def test_slice_padding_costs_two_slices_per_block(compiled: dict[str, CompileResult]) -> None:
-    # The design seed's +81 slice_static for 40 blocks is 2 per block (K, V) + 1 (the exit).
+    # The +81 slice_static measured for 40 blocks (docs/hardware-facts.md) is 2 per block (K, V) + 1 (the exit).
     padded, bare = _module(compiled["8x4/slice/2"]), _module(compiled["8x4/none/2"])
     assert padded.ops["slice_static"] - bare.ops["slice_static"] == 2 * 2 + 1
 
@@ -228,9 +229,9 @@ def test_parse_collectives_from_text() -> None:
     assert ag.operand.shape == (1, 4095, 10, 128)
     assert ag.bytes == 32760 * 10 * 128 * 2
     assert (ar.reduce, ar.size, ar.bytes) == ("sum", "small", 4095 * 4)
-    tiles = ttnn_ir.tile_alignment(mod, "8x4")
+    tiles = tile_alignment(mod, "8x4")
     assert tiles["token_dims"] == [4095] and not tiles["aligned"]
-    assert ttnn_ir.tile_alignment(mod, "1x4") == {"aligned": True, "token_dims": [], "misaligned": [], "checked": 0}
+    assert tile_alignment(mod, "1x4") == {"aligned": True, "token_dims": [], "misaligned": [], "checked": 0}
     with pytest.raises(ttnn_ir.IRError):
         ttnn_ir.TTNNModule.parse("module {}")
 
@@ -240,12 +241,13 @@ def test_parse_collectives_from_text() -> None:
 
 @needs_plugin
 def test_mask_padding_adds_no_op_per_block_and_slice_adds_two_slices(compiled: dict[str, CompileResult]) -> None:
-    """The seed measured +2 ttnn.slice_static per block for its K/V slice-back; the key mask adds
-    nothing per block, and once per forward only the boundary pads and the small mask."""
+    """The slice mode's K/V slice-back adds +2 ttnn.slice_static per block (measured on hardware too,
+    docs/hardware-facts.md); the key mask adds nothing per block, and once per forward only the
+    boundary pads and the small mask."""
     mods = {k: _module(compiled[f"8x4/{k}"]) for k in ("slice/1", "slice/2", "mask/1", "mask/2", "none/1", "none/2")}
     unpadded = (mods["none/1"], mods["none/2"])
-    slice_cost = ttnn_ir.padding_cost((mods["slice/1"], mods["slice/2"]), unpadded, (1, 2))
-    mask_cost = ttnn_ir.padding_cost((mods["mask/1"], mods["mask/2"]), unpadded, (1, 2))
+    slice_cost = padding_cost((mods["slice/1"], mods["slice/2"]), unpadded, (1, 2))
+    mask_cost = padding_cost((mods["mask/1"], mods["mask/2"]), unpadded, (1, 2))
     assert slice_cost["per_block"].get("slice_static") == 2
     assert mask_cost["per_block"] == {}
     assert mask_cost["per_forward"].get("pad") == 3  # hidden states and both rope tables

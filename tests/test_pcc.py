@@ -1,6 +1,6 @@
 """Sharded vs unsharded output on CPU virtual meshes, for each backend, mesh and variant.
 
-Each (backend, mesh) runs in its own process (``python -m wan_sharding.check``), which saves the
+Each (backend, mesh) runs in its own process (``python -m wan_sharding.jobs.check``), which saves the
 unsharded reference and the sharded output; the comparison is computed here.
 """
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from wan_sharding.check import Case, run_in_subprocess
+from wan_sharding.jobs.check import Case, run_in_subprocess
 from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import VARIANTS, latent_for_tokens
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from wan_sharding.pipeline_commands import compare_in_subprocess, worker_env
+from wan_sharding.jobs.generate import compare_in_subprocess
+from wan_sharding.jobs.launch import worker_env
 
 PCC_MIN = 0.9999  # fp32 pipeline latents after 2 denoising steps
 MAX_ABS = 1e-4  # observed ~3e-6; a padded key leaking into attention is ~1e-3 (README)
@@ -30,7 +31,7 @@ API_SCRIPT = textwrap.dedent('''
     from diffusers import DiffusionPipeline
     from wan_sharding.pipeline import ShardedTransformer, shard_pipeline
     from wan_sharding.specs import ShardingError
-    from wan_sharding.tiny_pipeline import build_tiny_pipeline, call_kwargs
+    from wan_sharding.pipeline.tiny import build_tiny_pipeline, call_kwargs
 
     r = {}
     def refused(fn):
@@ -90,7 +91,7 @@ API_SCRIPT = textwrap.dedent('''
 
     # load_pipeline: a saved pipeline directory, offline (the tiny one has no text encoder)
     import tempfile
-    from wan_sharding.tiny_pipeline import PipelineUnavailable, load_pipeline
+    from wan_sharding.pipeline.tiny import PipelineUnavailable, load_pipeline
     with tempfile.TemporaryDirectory() as folder:
         try:
             load_pipeline(folder)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from wan_sharding import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
-from wan_sharding.check import pcc
+from wan_sharding.jobs.pcc import pcc
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 from wan_sharding.plan import ShardingPlan
 

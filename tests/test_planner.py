@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from wan_sharding import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
-from wan_sharding.check import pcc
-from wan_sharding.compile import sysdesc, ttnn_ir
+from wan_sharding.cli.plan import add_subcommands
+from wan_sharding.compile import design_bill, sysdesc
+from wan_sharding.jobs.pcc import pcc
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 from wan_sharding.plan import ShardingPlan
 from wan_sharding.planner import analytic, hardware
 from wan_sharding.planner.candidates import (AXIS_NAMES, build_candidates, enumerate_plans, padding_options,
                                              structural_reason)
-from wan_sharding.planner.commands import EXIT_ERROR, EXIT_OK, add_subcommands, format_report
+from wan_sharding.planner.report import EXIT_ERROR, EXIT_OK, format_report
 from wan_sharding.planner.search import PlanReport, _meta_dit, plan_sharding, weight_bytes_per_expert
 from wan_sharding.planner.workload import Workload
 
@@ -123,7 +124,7 @@ def test_analytic_bill_of_the_recipe_plan_is_the_design_bill() -> None:
         size = "small" if item.operand < 1e6 else "large"  # stats: Ls x f32 = 16 KB; the rest tens of MB
         key = (item.kind, size, item.axis)
         got[key] = got.get(key, 0) + item.count
-    want = {(k, s, {"sp": "rows", "tp": "cols"}[a]): n for (k, s, a), n in ttnn_ir.design_bill("8x4").items()}
+    want = {(k, s, {"sp": "rows", "tp": "cols"}[a]): n for (k, s, a), n in design_bill("8x4").items()}
     assert got == want  # 3 large + 4 small all-reduces over TP, 2 K/V all-gathers over SP
 
 
@@ -144,7 +145,7 @@ def test_wormhole_2x4_fits_both_experts_in_12gb_with_fsdp(analytic_2x4: dict[str
     # the weights are exactly what the ordinary API's specs give, both experts
     specs = shard_dit_specs(_meta_dit("t2v-a14b"), rec.plan)
     assert rec.memory.weights == pytest.approx(2 * specs.bytes_per_device(2))
-    # the seed's recipe (SP 2 / TP 4, weights replicated over SP) does not fit: ~14.5 GB of weights
+    # the reference recipe (SP 2 / TP 4, weights replicated over SP) does not fit: ~14.5 GB of weights
     recipe = next(c for c in report.candidates if c.plan == ShardingPlan((2, 4), N, ("rows",), ("cols",), False,
                                                                            "replicated", "mask"))
     assert "GB per chip" in recipe.reason and "FSDP would divide them" in recipe.reason
@@ -248,7 +249,7 @@ def test_plan_command_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_compile_request_carries_a_plan() -> None:
-    from wan_sharding.compile.lowering import CompileError, CompileRequest
+    from wan_sharding.compile import CompileError, CompileRequest
 
     plan = ShardingPlan((2, 4), N, ("cols",), ("rows",), fsdp=True, padding="mask")
     req = CompileRequest.for_plan(plan, blocks=2).validate()

@@ -11,7 +11,7 @@ import torch
 from wan_sharding import (BackendError, ShardingError, apply_dit_sp_activation_sharding, get_backend,
                           shard_dit_specs)
 from wan_sharding.attention import MaskPaddedKeys, SliceKV
-from wan_sharding.check import pcc
+from wan_sharding.jobs.pcc import pcc
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 
 PADDED = LatentShape(3, 10, 14)  # 105 tokens -> 128 on 2x4

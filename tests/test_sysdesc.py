@@ -187,7 +187,7 @@ _PROBE = textwrap.dedent(
 
 
 def _run_plugin(desc: Path) -> subprocess.CompletedProcess[str]:
-    from wan_sharding.compile.lowering import private_tmpdir, worker_env
+    from wan_sharding.compile import private_tmpdir, worker_env
 
     # A private TMPDIR: the plugin keeps its descriptor copy at a fixed path under it.
     env = worker_env(desc, private_tmpdir(desc.parent))

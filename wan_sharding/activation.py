@@ -24,17 +24,13 @@ import torch.nn.functional as F
 
 from .attention import PADDING_MODES, ForwardState, build_key_mask
 from .backends import Backend, get_backend
-from .mesh import MeshSpec, as_mesh_spec
-from .plan import DEFAULT_PADDING, SELF_ATTENTION, WAN_SP_PLAN, ShardingPlan, SPGather, SPSplit
+from .mesh import MeshSpec, as_mesh_spec, padded_length
+from .options import DEFAULT_PADDING
+from .plan import SELF_ATTENTION, WAN_SP_PLAN, ShardingPlan, SPGather, SPSplit
 from .specs import ShardingError, _pattern_regex, check_wan_model
 
 # Models that currently carry SP hooks. Weak, so a dropped model is forgotten.
 _APPLIED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
-def padded_length(n: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= n."""
-    return -(-n // multiple) * multiple
 
 
 def _pad_dim(x: torch.Tensor, dim: int, to: int) -> torch.Tensor:

@@ -3,9 +3,9 @@
 Padding L to a multiple of SP x 32 adds keys that must not be attended to. Each mode is a
 per-instance attention processor that wraps the model's own processor (``WanAttnProcessor``):
 
-- ``slice``: the design seed's mode: K and V are cut back to the valid tokens before SDPA in every
-  block. Costs two ``slice`` ops per block (the seed measured +81 ``ttnn.slice_static`` and
-  ~5.6 s -> ~8.9 s per iteration at 480p on Galaxy).
+- ``slice``: K and V are cut back to the valid tokens before SDPA in every block (the original
+  design's mode). Costs two ``slice`` ops per block: +81 ``ttnn.slice_static`` for 40 blocks and
+  ~5.6 s -> ~8.9 s per iteration at 480p on a Galaxy (``docs/hardware-facts.md``).
 - ``mask``: an additive key mask (0 for valid keys, a large negative value for padded ones) built
   once per forward and passed to every self-attention through the stock processor's
   ``attention_mask``. No per-block op beyond what SDPA already does with a mask.
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .plan import DEFAULT_PADDING  # noqa: F401  (re-exported beside the modes)
+from .options import DEFAULT_PADDING, PADDING_NAMES  # noqa: F401  (DEFAULT_PADDING re-exported beside the modes)
 
 
 @dataclass
@@ -93,7 +93,7 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class SliceKV(_PaddedAttention):
-    """K and V sliced back to the valid tokens before SDPA, in every block (the design seed's mode).
+    """K and V sliced back to the valid tokens before SDPA, in every block (the original design's mode).
 
     The slice has to sit between RoPE and SDPA, inside the processor, so this path restates
     ``WanAttnProcessor``'s self-attention steps; ``tests/test_attention.py`` checks it stays
@@ -126,3 +126,4 @@ PADDING_MODES: dict[str, type[_PaddedAttention] | None] = {
     "mask": MaskPaddedKeys,
     "none": None,  # no padding at all: per-device token counts may not be tile-aligned
 }
+assert set(PADDING_MODES) == set(PADDING_NAMES), "wan_sharding.options.PADDING_NAMES and the modes here disagree"

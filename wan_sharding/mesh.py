@@ -10,6 +10,7 @@ entry per tensor dim, each ``None`` (replicated) or a mesh axis name, as in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -103,19 +104,14 @@ class MeshSpec:
     # ---- sizes -------------------------------------------------------------------------
     @property
     def num_devices(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def axis_size(self, axis: str | tuple[str, ...] | None) -> int:
         """Devices along ``axis`` (a name, a tuple of names: their product, or None: 1)."""
-        size = 1
         for a in _axes(axis):
             if a not in self.axis_names:
                 raise MeshError(f"unknown mesh axis {a!r}; this mesh has axes {self.axis_names}")
-            size *= self.shape[self.axis_names.index(a)]
-        return size
+        return math.prod(self.shape[self.axis_names.index(a)] for a in _axes(axis))
 
     @property
     def sp_axis(self) -> str | tuple[str, ...] | None:
@@ -138,6 +134,10 @@ class MeshSpec:
         """What the flat token count L is padded to: SP x tile, so every SP shard is whole tiles."""
         return self.sp * TILE
 
+    def padded_tokens(self, tokens: int) -> int:
+        """``tokens`` padded up to :attr:`seq_multiple`."""
+        return padded_length(tokens, self.seq_multiple)
+
     @property
     def name(self) -> str:
         """The preset's name, else the shape (``"2x4"``)."""
@@ -146,6 +146,11 @@ class MeshSpec:
     def __str__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         return f"MeshSpec({self.name}: {axes}; sp={self.sp_axis}, tp={self.tp_axis})"
+
+
+def padded_length(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
 
 
 def _axes(axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -211,6 +216,12 @@ def mesh_for_device_count(n: int) -> MeshSpec:
     return mesh_from_preset(BY_DEVICE_COUNT[n])
 
 
+def _roles_by_name(names: tuple[str, ...]) -> dict[str, str] | None:
+    """Roles of a backend mesh whose axes are named after them (``"sp"``, ``"tp"``, in any order);
+    ``None`` (roles by position) for any other names."""
+    return {"sp": "sp", "tp": "tp"} if {"sp", "tp"} <= set(names) else None
+
+
 def as_mesh_spec(mesh: Any) -> MeshSpec:
     """Accept a :class:`MeshSpec`, a preset name, a ``(sp, tp)`` tuple, a ``torch_xla`` mesh or a
     ``jax.sharding.Mesh`` and return the :class:`MeshSpec` it describes.
@@ -227,10 +238,11 @@ def as_mesh_spec(mesh: Any) -> MeshSpec:
     # torch_xla.distributed.spmd.Mesh: mesh_shape + axis_names
     if hasattr(mesh, "mesh_shape") and hasattr(mesh, "axis_names"):
         names = tuple(mesh.axis_names) if mesh.axis_names else DEFAULT_AXIS_NAMES[: len(mesh.mesh_shape)]
-        return MeshSpec(tuple(mesh.mesh_shape), names)
+        return MeshSpec(tuple(mesh.mesh_shape), names, _roles_by_name(names))
     # jax.sharding.Mesh: devices array + axis_names
     if hasattr(mesh, "devices") and hasattr(mesh, "axis_names") and hasattr(mesh.devices, "shape"):
-        return MeshSpec(tuple(mesh.devices.shape), tuple(mesh.axis_names))
+        names = tuple(mesh.axis_names)
+        return MeshSpec(tuple(mesh.devices.shape), names, _roles_by_name(names))
     raise MeshError(
         f"cannot use {type(mesh).__name__} as a mesh; pass a preset name ('1x4', '2x4', '8x4'), "
         "a MeshSpec, a torch_xla Mesh or a jax Mesh"

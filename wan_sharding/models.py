@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-# diffusers WanTransformer3DModel configs (reference: shared/reference/wan22-facts.md).
+# diffusers WanTransformer3DModel configs, as the Wan-AI/Wan2.2-*-Diffusers checkpoints' transformer
+# config.json files give them (docs/hardware-facts.md lists them with their sources).
 _A14B = dict(
     patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, text_dim=4096, freq_dim=256,
     ffn_dim=13824, num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,

@@ -6,14 +6,24 @@ a trailing ``**`` any sub-path including none) mapped to a style. Every paramete
 owned by a module that some pattern names; an unnamed parameter is an error, never a silent
 replication, so a diffusers release that adds a layer is caught by ``shard_dit_specs``.
 
-Sequence parallelism mirrors ``WanTransformer3DModel._cp_plan``: the three places where the
-flat token dim L is split (rope tables, block-stack entry) and gathered back (``proj_out``).
+Sequence parallelism follows ``WanTransformer3DModel._cp_plan``, which has four entries: the rope
+tables and the block-stack entry (split L), ``proj_out`` (gather L), and the model input
+``timestep`` (split L: Wan 2.2 TI2V's per-token timesteps). This plan has the first three. The
+fourth is handled differently on purpose: the per-token timestep embeddings that the condition
+embedder makes from it (``temb`` (B, L, D), ``timestep_proj`` (B, L, 6D)) are padded with the hidden
+states on the replicated tensor and get no constraint of their own; the partitioner splits them
+over SP where they meet the L-sharded hidden states. Exact (``tests/test_pcc.py`` runs TI2V-5B
+padded and aligned on every mesh), but the condition embedder then runs on all L tokens on every
+device once per forward, which diffusers' split of the timestep input avoids
+(``docs/design.md``, "TI2V-5B's per-token timesteps").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
+
+from .options import DEFAULT_PADDING  # noqa: F401  (re-exported: a plan's default padding)
 
 # ---- tensor-parallel styles ------------------------------------------------------------------
 COLWISE = "colwise"  # Linear split on its output features: no collective
@@ -81,7 +91,8 @@ class SPGather:
     dim: int
 
 
-# The same three points as diffusers' WanTransformer3DModel._cp_plan (a test checks they agree).
+# Three of the four entries of diffusers' WanTransformer3DModel._cp_plan (a test checks they
+# agree); its fourth, TI2V's per-token ``timestep``, is not a split point here (module docstring).
 WAN_SP_PLAN: tuple[SPSplit | SPGather, ...] = (
     SPSplit("rope", dim=1),  # both rope tables, (1, L, 1, head_dim)
     SPSplit("blocks.0", dim=1, arg="hidden_states"),  # (B, L, D) entering the block stack
@@ -94,9 +105,6 @@ SELF_ATTENTION = "blocks.*.attn1"
 
 
 # ---- a whole sharding plan -----------------------------------------------------------------------
-# The key mask: it keeps attention exact with no op per block, where the seed's K/V slice-back adds
-# two slices to every block (measured in results/padding.json; wan_sharding.attention has the modes).
-DEFAULT_PADDING = "mask"
 LAYOUTS = ("replicated", "sharded")
 
 
@@ -109,8 +117,9 @@ class ShardingPlan:
       plan: the same degrees on different axes land on different physical links.
     - ``fsdp``: also shard every large weight over the SP axes (FSDP-style, gathered before use), so
       that both A14B experts fit on a 12 GB Wormhole chip.
-    - ``layout``: the activation between Megatron pairs: ``"replicated"`` D (the seed's state A) or
-      ``"sharded"`` D (tt-metal's: kept TP-sharded between blocks).
+    - ``layout``: the activation between Megatron pairs: ``"replicated"`` D (the residual stream is
+      (B, L/sp, D) per device, D whole, between blocks; ``docs/design.md``) or ``"sharded"`` D
+      (tt-metal's: kept TP-sharded between blocks).
     - ``padding``: how the token dim is padded and attention kept exact.
 
     ``shard_dit_specs(dit, plan.mesh(), fsdp=plan.fsdp)`` and ``apply_dit_sp_activation_sharding(dit,

@@ -219,3 +219,10 @@ def shard_dit_specs(dit: torch.nn.Module, mesh: Any, plan: Mapping[str, str] = W
         _check_divisible(name, param.shape, spec, mesh)
         entries.append((name, param, spec, styles[name]))
     return ShardSpecs(entries, mesh)
+
+
+def replicated_specs(dit: torch.nn.Module, mesh: Any = (1, 1)) -> ShardSpecs:
+    """Every parameter replicated: the unsharded baseline, in the same form as
+    :func:`shard_dit_specs` (so a backend places it the same way)."""
+    spec_mesh = as_mesh_spec(mesh)
+    return ShardSpecs([(n, p, (None,) * p.ndim, REPLICATE) for n, p in dit.named_parameters()], spec_mesh)

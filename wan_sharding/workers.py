@@ -274,12 +274,13 @@ def worker_main(job: Callable[[Any], Iterable[Mapping[str, Any]] | None],
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], suffix: str = ".partial") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; when the block completes it is renamed to ``path``,
-    otherwise removed. Readers never see a half-written ``path``."""
+    otherwise removed. Readers never see a half-written ``path``. ``suffix`` ends the temporary
+    name (a writer that picks its format from the file name needs e.g. ``".partial.gif"``)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
     os.close(fd)
     try:
         yield Path(tmp)

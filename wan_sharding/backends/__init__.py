@@ -5,9 +5,26 @@ from __future__ import annotations
 from typing import Any
 
 from ..mesh import MeshSpec, as_mesh_spec
-from .base import Backend, BackendError
+from .base import Backend, BackendError, Program
 
 BACKENDS = ("xla", "jax", "tt")
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The backend class for a name (imports only that backend's module)."""
+    if name == "xla":
+        from .xla import XlaBackend
+
+        return XlaBackend
+    if name == "jax":
+        from .jax import JaxBackend
+
+        return JaxBackend
+    if name == "tt":
+        from .tt import TTBackend
+
+        return TTBackend
+    raise BackendError(f"unknown backend {name!r}; choose one of {BACKENDS}")
 
 
 def get_backend(backend: str | Backend, mesh: Any) -> Backend:
@@ -16,21 +33,10 @@ def get_backend(backend: str | Backend, mesh: Any) -> Backend:
         if as_mesh_spec(mesh).shape != backend.mesh.shape:
             raise BackendError(f"backend {backend!r} is bound to mesh {backend.mesh.name}, not {as_mesh_spec(mesh).name}")
         return backend
+    cls = backend_class(backend)  # an unknown name fails before the mesh is looked at
     spec = as_mesh_spec(mesh)
     native = None if isinstance(mesh, (MeshSpec, str, tuple)) else mesh
-    if backend == "xla":
-        from .xla import XlaBackend
-
-        return XlaBackend(spec, native)
-    if backend == "jax":
-        from .jax import JaxBackend
-
-        return JaxBackend(spec, native)
-    if backend == "tt":
-        from .tt import TTBackend
-
-        return TTBackend(spec, native)
-    raise BackendError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    return cls(spec, native)
 
 
-__all__ = ["BACKENDS", "Backend", "BackendError", "get_backend"]
+__all__ = ["BACKENDS", "Backend", "BackendError", "Program", "backend_class", "get_backend"]

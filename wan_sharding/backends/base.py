@@ -1,15 +1,20 @@
-"""The one small interface every backend implements: place weights, constrain an activation."""
+"""The one interface every backend implements.
+
+What sharding needs: place weights, constrain an activation. What callers need to run and
+measure a sharded model without knowing which backend it is: compile a forward once, run it on
+the devices, copy its output to the host, count the collectives of what was compiled, forget
+what was cached, and the environment a worker process needs to run this backend on CPU.
+"""
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ..mesh import MeshSpec
-
-Spec = tuple
+from ..specs import Spec
 
 
 class BackendError(RuntimeError):
@@ -24,6 +29,11 @@ class Backend(abc.ABC):
     """
 
     name: str = "?"
+    # The stack the backend runs in. A process runs one stack (both read XLA_FLAGS).
+    uses_torch_xla: bool = False
+    # The whole forward is traced once into one program: Python-level per-call arguments
+    # (e.g. a LoRA scale in attention_kwargs) cannot reach it, and hooks run only while tracing.
+    traces_whole_forward: bool = False
 
     def __init__(self, mesh: MeshSpec, native_mesh: Any = None):
         self.mesh = mesh
@@ -42,12 +52,37 @@ class Backend(abc.ABC):
         """A sharding constraint on an activation inside the traced forward; returns the tensor
         to use downstream (a new value, so two constraints in a row stay two)."""
 
+    def run_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> Any:
+        """One forward of ``dit`` on the mesh; the output stays on the devices."""
+        raise BackendError(f"the {self.name} backend cannot execute here")
+
+    def to_host(self, out: Any) -> torch.Tensor:
+        """A device output as a host (CPU) tensor."""
+        raise BackendError(f"the {self.name} backend cannot execute here")
+
     def run(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Run one forward of ``dit`` on the mesh and return the output on the host (CPU)."""
-        raise BackendError(f"the {self.name} backend cannot execute here")
+        return self.to_host(self.run_device(dit, placed, *args, **kwargs))
+
+    def compile(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> "Program":
+        """The forward for these inputs, compiled once: ``program()`` runs it (device output).
+        Backends that compile lazily run it once here, so the first call is not the compile."""
+        run = lambda: self.run_device(dit, placed, *args, **kwargs)  # noqa: E731
+        return Program(run)
+
+    def collective_counts(self, program: "Program") -> dict[str, int] | None:
+        """Collectives in the partitioned program, by kind; ``None`` where the backend cannot
+        show its partitioned program."""
+        return None
 
     def release(self, dit: torch.nn.Module) -> None:
         """Forget anything compiled or cached for ``dit`` (nothing by default)."""
+
+    @staticmethod
+    def cpu_env(num_devices: int) -> dict[str, str]:
+        """The environment a fresh process needs to run this backend on ``num_devices`` CPU
+        devices (set before the stack starts)."""
+        raise BackendError("this backend does not run on CPU virtual devices")
 
     def check_device_count(self, available: int, what: str) -> None:
         if available != self.mesh.num_devices:
@@ -61,3 +96,15 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.mesh.name})"
+
+
+class Program:
+    """A compiled forward: calling it runs it and returns the device output. ``text`` is the
+    partitioned program where the backend can show it."""
+
+    def __init__(self, call: Callable[[], Any], text: str | None = None):
+        self._call = call
+        self.text = text
+
+    def __call__(self) -> Any:
+        return self._call()

@@ -17,11 +17,13 @@ import numpy as np
 import torch
 
 from ..mesh import MeshSpec
-from .base import Backend, BackendError, Spec
+from ..specs import Spec
+from .base import Backend, BackendError, Program
 
 
 class JaxBackend(Backend):
     name = "jax"
+    traces_whole_forward = True  # one jax.jit per model: the SP hooks run while tracing
 
     def __init__(self, mesh: MeshSpec, native_mesh: Any = None, devices: list | None = None):
         self._devices = devices
@@ -137,22 +139,21 @@ class JaxBackend(Backend):
         to_jax = lambda x: jax.device_put(env.t2j_copy(x), replicated) if isinstance(x, torch.Tensor) else x  # noqa: E731
         return tuple(to_jax(a) for a in args), {k: to_jax(v) for k, v in kwargs.items()}
 
-    def compile(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any):
-        """The compiled program for these inputs, as ``call()`` -> device output; its partitioned
-        HLO is ``call.text`` (for collective counts)."""
+    def compile(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> Program:
+        """The compiled program for these inputs; its partitioned HLO is ``program.text``."""
         jargs, jkwargs = self._device_inputs(args, kwargs)
         exe = self._jitted(dit).lower(placed, jargs, jkwargs).compile()
-        call = lambda: exe(placed, jargs, jkwargs)  # noqa: E731
-        call.text = exe.as_text()
-        return call
+        return Program(lambda: exe(placed, jargs, jkwargs), text=exe.as_text())
+
+    def collective_counts(self, program: Program) -> dict[str, int] | None:
+        return collective_counts(program.text) if program.text is not None else None
 
     def run_device(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """One forward; the output stays a (sharded) JAX array on the devices."""
         jargs, jkwargs = self._device_inputs(args, kwargs)
         return self._jitted(dit)(placed, jargs, jkwargs)
 
-    @staticmethod
-    def to_host(out: Any) -> torch.Tensor:
+    def to_host(self, out: Any) -> torch.Tensor:
         import jax
 
         out = jax.device_get(out)
@@ -160,8 +161,13 @@ class JaxBackend(Backend):
         host = torch.from_numpy(np.asarray(out, dtype=np.float32 if dtype else out.dtype).copy())
         return host.to(dtype) if dtype else host
 
-    def run(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.to_host(self.run_device(dit, placed, *args, **kwargs))
+    @staticmethod
+    def cpu_env(num_devices: int) -> dict[str, str]:
+        """Environment for a process that runs JAX on ``num_devices`` CPU devices."""
+        env = dict(os.environ)
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+        env.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
+        return env
 
 
 def collective_counts(hlo_text: str) -> dict[str, int]:
@@ -173,9 +179,4 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
     return {k: v for k, v in counts.items() if v}
 
 
-def cpu_env(num_devices: int) -> dict[str, str]:
-    """Environment for a process that runs JAX on ``num_devices`` CPU devices."""
-    env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
-    env.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
-    return env
+cpu_env = JaxBackend.cpu_env  # the environment for a CPU worker of this backend

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from ..mesh import MeshSpec
-from .base import BackendError, Spec
+from ..specs import Spec
+from .base import BackendError
 from .xla import XlaBackend
 
 
@@ -56,9 +57,11 @@ class TTBackend(XlaBackend):
         # Returns a new value, so replicated-then-sharded stays two constraints in the graph.
         return self._sharding.sharding_constraint_tensor(tensor, self.native_mesh, spec)
 
-    def run(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def run_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         compiled = torch.compile(dit, backend="tt")
-        dev = self.device
-        move = lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        out = compiled(*[move(a) for a in args], **{k: move(v) for k, v in kwargs.items()}, return_dict=False)[0]
-        return out.cpu()
+        args, kwargs = self._to_device(args, kwargs)
+        return compiled(*args, **kwargs, return_dict=False)[0]
+
+    @staticmethod
+    def cpu_env(num_devices: int) -> dict[str, str]:
+        raise BackendError("the tt backend runs on Tenstorrent devices, not CPU virtual devices")

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from ..mesh import MeshSpec
-from .base import Backend, BackendError, Spec
+from ..specs import Spec
+from .base import Backend, BackendError
 
 
 def enable_spmd() -> None:
@@ -26,6 +27,7 @@ def enable_spmd() -> None:
 
 class XlaBackend(Backend):
     name = "xla"
+    uses_torch_xla = True
 
     def _make_mesh(self, mesh: MeshSpec) -> Any:
         try:
@@ -68,16 +70,27 @@ class XlaBackend(Backend):
         # constraint followed by a sharded one stays two separate constraints in the HLO.
         return xs.annotate_custom_sharding(tensor, self.native_mesh, spec).global_tensor
 
-    def run(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dev = self.device
         move = lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        out = dit(*[move(a) for a in args], **{k: move(v) for k, v in kwargs.items()}, return_dict=False)[0]
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+    def run_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One forward traced lazily; torch-xla compiles (or reuses, by graph hash) when the output
+        is materialised."""
+        args, kwargs = self._to_device(args, kwargs)
+        return dit(*args, **kwargs, return_dict=False)[0]
+
+    def to_host(self, out: Any) -> torch.Tensor:
         return out.cpu()
 
+    @staticmethod
+    def cpu_env(num_devices: int) -> dict[str, str]:
+        """Environment for a process that runs torch-xla SPMD on ``num_devices`` CPU devices."""
+        env = dict(os.environ)
+        env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(num_devices))
+        env.pop("XLA_FLAGS", None)  # JAX's device-count flag would confuse torch-xla's CPU client
+        return env
 
-def cpu_env(num_devices: int) -> dict[str, str]:
-    """Environment for a process that runs torch-xla SPMD on ``num_devices`` CPU devices."""
-    env = dict(os.environ)
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(num_devices))
-    env.pop("XLA_FLAGS", None)  # JAX's device-count flag would confuse torch-xla's CPU client
-    return env
+
+cpu_env = XlaBackend.cpu_env  # the environment for a CPU worker of this backend

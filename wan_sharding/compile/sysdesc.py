@@ -23,6 +23,8 @@ import flatbuffers
 from flatbuffers import encode, number_types as N
 from flatbuffers.table import Table
 
+from ..workers import atomic_write
+
 __all__ = [
     "ARCHS",
     "TOPOLOGIES",
@@ -425,13 +427,11 @@ def write_system_descriptor(
 ) -> Path:
     """Build a descriptor (see :func:`build_system_descriptor`) and write it to ``path``.
 
-    Parent directories are created.  Returns the path written.
+    Parent directories are created; the file is written through a temporary name and a rename
+    (:func:`wan_sharding.workers.atomic_write`), so it is never seen half-written.  Returns the
+    path written.
     """
-    path = Path(path)
-    data = build_system_descriptor(arch, num_chips, **kw)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
+    return atomic_write(path, build_system_descriptor(arch, num_chips, **kw))
 
 
 # ------------------------------------------------------------------------- reader

@@ -1,21 +1,26 @@
-"""Compile worker: ``python -m wan_sharding.compile.worker < batch.json``.
+"""Compile worker: ``python -m wan_sharding.compile.worker``, started by
+:func:`wan_sharding.compile.runner.compile_many` through the package's one process runner
+(:func:`wan_sharding.workers.run_worker`).
 
-Reads ``{"requests": [{"index": i, ...CompileRequest fields}], "results_file": path}`` from stdin,
-compiles each request in this process (see :func:`wan_sharding.compile.lowering.compile_in_process`)
-and appends one JSON line per request to ``results_file``. Between begin/end marks in the log it
-prints what the compiler printed for that request, so the caller can pick out the diagnostics.
+Its parameters (JSON on stdin) are ``{"requests": [{"index": i, ...CompileRequest fields}]}``.
+It compiles each request in this process (:func:`wan_sharding.compile.lowering.compile_in_process`)
+and sends one ``RESULT`` line per request (:func:`wan_sharding.workers.emit`) as soon as that
+request is done, so the results before a compiler crash survive it. Around each request it prints
+begin/end marks into its log, so the caller can cut out what the compiler printed for it.
 
-Started by :func:`wan_sharding.compile.lowering.compile_many` with ``TT_COMPILE_ONLY_SYSTEM_DESC``
-already set; run by hand only with that variable set.
+Needs ``TT_COMPILE_ONLY_SYSTEM_DESC`` set before JAX starts; run by hand only with that variable set.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import traceback
+from typing import Any
+
+from .. import workers
+from .runner import BEGIN_MARK, END_MARK
 
 
 def _start() -> list:
@@ -48,6 +53,29 @@ def _start() -> list:
     return box["devices"]
 
 
+def compile_batch(params: dict[str, Any]) -> None:
+    """The worker's job: compile every request of ``params`` and emit one result per request."""
+    devices = _start()
+    print(f"wan_sharding.compile.worker: {len(devices)} {devices[0].platform} devices", flush=True)
+    from .lowering import compile_in_process
+    from .request import CompileRequest
+
+    for raw in params["requests"]:
+        raw = dict(raw)
+        index = raw.pop("index")
+        req = CompileRequest.from_json(raw)
+        print(f"{BEGIN_MARK}{index} {req.label()}", flush=True)
+        try:
+            out = compile_in_process(req)
+        except Exception as e:  # a setup error (not a compiler rejection): report, go on
+            traceback.print_exc()
+            out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        print(f"{END_MARK}{index}", flush=True)
+        workers.emit({"index": index, **out})
+
+
 def main() -> int:
     if "jax" in sys.modules:  # pragma: no cover - defensive: the variable must precede JAX
         print("wan_sharding.compile.worker: jax was imported before the worker started", file=sys.stderr)
@@ -56,32 +84,11 @@ def main() -> int:
     if not desc or not os.path.exists(desc):
         print(
             "wan_sharding.compile.worker: TT_COMPILE_ONLY_SYSTEM_DESC must name an existing system descriptor "
-            f"(got {desc!r}); write one with `wan-sharding sysdesc` or use wan_sharding.compile.lowering.compile_many",
+            f"(got {desc!r}); write one with `wan-sharding sysdesc` or use wan_sharding.compile.compile_many",
             file=sys.stderr,
         )
         return 2
-    batch = json.load(sys.stdin)
-    devices = _start()
-    print(f"wan_sharding.compile.worker: {len(devices)} {devices[0].platform} devices", flush=True)
-    from .lowering import BEGIN_MARK, END_MARK, CompileRequest, compile_in_process
-
-    with open(batch["results_file"], "a") as results:
-        for raw in batch["requests"]:
-            raw = dict(raw)
-            index = raw.pop("index")
-            req = CompileRequest.from_json(raw)
-            print(f"{BEGIN_MARK}{index} {req.label()}", flush=True)
-            try:
-                out = compile_in_process(req)
-            except Exception as e:  # a setup error (not a compiler rejection): report, go on
-                traceback.print_exc()
-                out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}
-            sys.stdout.flush()
-            sys.stderr.flush()
-            print(f"{END_MARK}{index}", flush=True)
-            results.write(json.dumps({"index": index, **out}) + "\n")
-            results.flush()
-    return 0
+    return workers.worker_main(compile_batch)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,26 @@
 """Plan the sharding of the Wan 2.2 DiT and its placement on a Tenstorrent mesh.
 
-Two stages, after the seed's compiler-mediated planner: an analytic stage scores every legal
+Two stages, a compiler-mediated planner (``docs/design.md``): an analytic stage scores every legal
 plan from shapes and specs (:mod:`.analytic`), and the best few are compiled with tt-mlir in
 compile-only mode and costed op by op from their TTNN programs on a model of the chip fabric
 (:mod:`.compiled`, :mod:`.ir_cost`, :mod:`.hardware`). ``wan-sharding plan`` is the command;
-:func:`plan_sharding` the function.
+:func:`plan_sharding` the function, :func:`format_report` its text.
+
+Imports run one way: ``workload`` / ``hardware`` -> ``ir_cost`` -> ``analytic`` / ``compiled`` ->
+``candidates`` -> ``search`` -> ``report``. TTNN text is read by :mod:`wan_sharding.compile.ttnn_ir`,
+meshes by :func:`wan_sharding.mesh.parse_mesh_shape`.
 """
 
-from .candidates import Candidate, build_candidates, enumerate_plans
+from .analytic import Estimate
+from .candidates import Candidate, build_candidates, enumerate_plans, restriction
+from .compiled import CompiledEstimate, estimate_from_results, requests_for
 from .hardware import Chip, Fabric, chip, collective_seconds, fabric_for
+from .report import bill_text, format_report
 from .search import PlannerError, PlanReport, plan_sharding
 from .workload import Memory, Workload, memory_per_chip
 
 __all__ = [
-    "Candidate", "Chip", "Fabric", "Memory", "PlanReport", "PlannerError", "Workload", "build_candidates", "chip",
-    "collective_seconds", "enumerate_plans", "fabric_for", "memory_per_chip", "plan_sharding",
+    "Candidate", "Chip", "CompiledEstimate", "Estimate", "Fabric", "Memory", "PlanReport", "PlannerError", "Workload",
+    "bill_text", "build_candidates", "chip", "collective_seconds", "enumerate_plans", "estimate_from_results",
+    "fabric_for", "format_report", "memory_per_chip", "plan_sharding", "requests_for", "restriction",
 ]

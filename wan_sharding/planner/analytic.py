@@ -1,8 +1,8 @@
 """Stage 1: the per-block bill and time of a plan from shapes and specs alone (no compiler).
 
 Cheap enough to run on every legal candidate; its only job is to keep the best K for stage 2.
-The bill follows the design seed's block (``wan_sharding.compile.ttnn_ir.design_bill``) and what
-tt-mlir was seen to emit for the other plan shapes (2x4 proxies, compile-only):
+The bill follows the design's block (``docs/design.md``; :func:`wan_sharding.compile.bill.design_bill`)
+and what tt-mlir was seen to emit for the other plan shapes (2x4 proxies, compile-only):
 
 - TP > 1, replicated D: 3 all-reduces of (Ls, D) bf16 after the row-parallel projections, and 4
   small f32 all-reduces of RMSNorm statistics (3 of Ls values, 1 of the prompt's 512);
@@ -146,3 +146,22 @@ def block_cost(work: Workload, plan: ShardingPlan, chip: Chip, fabric: Fabric) -
         counts[key] += item.count
     cost.comm_counts = counts
     return cost
+
+
+@dataclass
+class Estimate:
+    """Stage-1 (analytic) result for one candidate."""
+
+    per_block: Cost
+    seconds_per_forward: float
+    bill: list[BillItem]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seconds_per_forward": round(self.seconds_per_forward, 4), "per_block": self.per_block.to_json(),
+                "bill": [b.to_json() for b in self.bill]}
+
+
+def estimate(work: Workload, plan: ShardingPlan, chip: Chip, fabric: Fabric) -> Estimate:
+    """The stage-1 estimate of ``plan``: one block's cost, scaled to the model's depth, and its bill."""
+    per_block = block_cost(work, plan, chip, fabric)
+    return Estimate(per_block, work.layers * per_block.total, block_bill(work, plan))

@@ -19,19 +19,18 @@ for TP 8 over both axes of 2x4: the same TTNN collectives for either order), so 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import permutations
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
-from ..mesh import TILE
+from ..mesh import PHYSICAL_AXIS_NAMES, TILE
 from ..plan import LAYOUTS, ShardingPlan
+from .analytic import Estimate
+from .compiled import CompiledEstimate
 from .workload import Memory, Workload, memory_per_chip
 
-if TYPE_CHECKING:  # only for annotations: both modules import this one
-    from .compiled import CompiledEstimate
-    from .search import Estimate
-
-AXIS_NAMES = ("rows", "cols")  # the physical mesh axes, in order: the plan's axis names
+AXIS_NAMES = PHYSICAL_AXIS_NAMES  # the physical mesh axes, in order: the plan's axis names ("rows", "cols")
 
 
 @dataclass
@@ -43,8 +42,8 @@ class Candidate:
     duplicate_of: str | None = None
     idle_axes: tuple[str, ...] = ()
     memory: Memory | None = None
-    analytic: "Estimate | None" = None  # stage 1
-    compiled: "CompiledEstimate | None" = None  # stage 2 (None: not compiled)
+    analytic: Estimate | None = None  # stage 1
+    compiled: CompiledEstimate | None = None  # stage 2 (None: not compiled)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -64,7 +63,7 @@ class Candidate:
         return self.plan.mesh().tp
 
 
-def role_options(shape: Sequence[int], names: Sequence[str] = AXIS_NAMES) -> list[tuple[str, ...]]:
+def role_options(shape: Sequence[int], names: Sequence[str] = PHYSICAL_AXIS_NAMES) -> list[tuple[str, ...]]:
     """Axis tuples one role can take: none, each axis of size > 1, and every order of several."""
     usable = [n for n, s in zip(names, shape) if s > 1]
     out: list[tuple[str, ...]] = [()]
@@ -82,7 +81,8 @@ def padding_options(work: Workload, sp: int) -> list[str]:
     return ["mask", "slice", "none"]
 
 
-def enumerate_plans(work: Workload, mesh_shape: Sequence[int], names: Sequence[str] = AXIS_NAMES) -> list[ShardingPlan]:
+def enumerate_plans(work: Workload, mesh_shape: Sequence[int],
+                    names: Sequence[str] = PHYSICAL_AXIS_NAMES) -> list[ShardingPlan]:
     """Every assignment of mesh axes to SP and TP with the FSDP, layout and padding choices that
     apply to it (FSDP only with SP > 1, a layout choice only with TP > 1)."""
     shape = tuple(int(s) for s in mesh_shape)
@@ -93,20 +93,13 @@ def enumerate_plans(work: Workload, mesh_shape: Sequence[int], names: Sequence[s
         for tp_axes in role_options(shape, names):
             if set(sp_axes) & set(tp_axes):
                 continue
-            sp = _prod(sizes[a] for a in sp_axes)
-            tp = _prod(sizes[a] for a in tp_axes)
+            sp = math.prod(sizes[a] for a in sp_axes)
+            tp = math.prod(sizes[a] for a in tp_axes)
             for fsdp in ((False, True) if sp > 1 else (False,)):
                 for layout in (LAYOUTS if tp > 1 else ("replicated",)):
                     for padding in padding_options(work, sp):
                         plans.append(ShardingPlan(shape, names, sp_axes, tp_axes, fsdp, layout, padding))
     return plans
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def signature(plan: ShardingPlan) -> tuple:
@@ -134,7 +127,7 @@ def structural_reason(work: Workload, plan: ShardingPlan) -> str:
 
 def build_candidates(work: Workload, mesh_shape: Sequence[int], dram_bytes: float,
                      weight_bytes: Callable[[ShardingPlan], float], attention: str = "fused",
-                     names: Sequence[str] = AXIS_NAMES,
+                     names: Sequence[str] = PHYSICAL_AXIS_NAMES,
                      keep: Callable[[ShardingPlan], bool] | None = None) -> list[Candidate]:
     """All candidates for ``mesh_shape`` with legality decided.
 
@@ -172,3 +165,18 @@ def build_candidates(work: Workload, mesh_shape: Sequence[int], dram_bytes: floa
                                    + ")")
         out.append(cand)
     return out
+
+
+def restriction(layout: str | None = None, padding: str | None = None,
+                fsdp: bool | None = None) -> Callable[[ShardingPlan], bool] | None:
+    """A plan filter for :func:`build_candidates` (``keep``): only plans with this ``layout``,
+    ``padding`` mode and FSDP choice; None when nothing is restricted. Plans with SP 1 stay under a
+    padding restriction (they need none) and under ``fsdp=True`` (FSDP needs SP > 1)."""
+    tests: list[Callable[[ShardingPlan], bool]] = []
+    if layout:
+        tests.append(lambda p: p.layout == layout)
+    if padding:
+        tests.append(lambda p: p.padding == padding or (p.padding == "none" and p.mesh().sp == 1))
+    if fsdp is not None:
+        tests.append(lambda p: p.fsdp == fsdp or (fsdp and p.mesh().sp == 1))
+    return (lambda p: all(t(p) for t in tests)) if tests else None

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..compile import ttnn_ir
-from ..compile.lowering import CompileRequest, CompileResult, compile_many
+from ..compile.bill import per_block_bill, tile_alignment
+from ..compile.request import CompileRequest, CompileResult
+from ..compile.runner import compile_many
+from ..compile.ttnn_ir import TTNNModule
 from ..plan import ShardingPlan
 from .hardware import Chip, Fabric
-from .ir_cost import Cost, Shapes, cost_file
+from .ir_cost import Cost, Shapes, cost_ops, parse_ops
 from .workload import Workload
 
 DEPTHS = (1, 2)
@@ -38,7 +40,7 @@ class CompiledEstimate:
     per_block: Cost | None = None
     per_forward: Cost | None = None  # once per forward (entry, condition embedder, exit)
     seconds_per_forward: float | None = None
-    bill: list[dict[str, Any]] = field(default_factory=list)  # ttnn_ir per-block bill entries
+    bill: list[dict[str, Any]] = field(default_factory=list)  # per-block bill entries (compile.bill)
     bill_counts: dict[str, float] = field(default_factory=dict)
     compile_seconds: float = 0.0
     ttnn_paths: tuple[str | None, str | None] = (None, None)
@@ -118,15 +120,15 @@ def estimate_from_results(work: Workload, plan: ShardingPlan, shallow: CompileRe
     kw = dict(chip=chip, fabric=fabric, mesh_shape=plan.mesh_shape, axis_names=plan.axis_names, shapes=shapes,
               attention=attention)
     d1, d2 = shallow.request.num_blocks, deep.request.num_blocks
-    c1, c2 = cost_file(shallow.ttnn_path, **kw), cost_file(deep.ttnn_path, **kw)
+    m1, m2 = TTNNModule.from_file(shallow.ttnn_path), TTNNModule.from_file(deep.ttnn_path)
+    c1, c2 = cost_ops(parse_ops(m1), **kw), cost_ops(parse_ops(m2), **kw)
     per_block = c2.minus(c1).scaled(1.0 / (d2 - d1))
     per_forward = c1.minus(per_block.scaled(d1))
     total = per_forward.total + work.layers * per_block.total
-    m1, m2 = ttnn_ir.TTNNModule.from_file(shallow.ttnn_path), ttnn_ir.TTNNModule.from_file(deep.ttnn_path)
-    bill = ttnn_ir.per_block_bill(m1, m2, d1, d2, mesh)
+    bill = per_block_bill(m1, m2, d1, d2, mesh)
     tiles = None
-    if mesh.sp_axis is None or isinstance(mesh.sp_axis, str):  # ttnn_ir's check reads one SP axis
-        tiles = ttnn_ir.tile_alignment(m2, mesh)["aligned"]
+    if mesh.sp_axis is None or isinstance(mesh.sp_axis, str):  # the tile check reads one SP axis
+        tiles = tile_alignment(m2, mesh)["aligned"]
     return CompiledEstimate(True, per_block=per_block, per_forward=per_forward, seconds_per_forward=total,
                             bill=[e.to_json() for e in bill.entries], bill_counts=bill.counts(), compile_seconds=secs,
                             ttnn_paths=(shallow.ttnn_path, deep.ttnn_path), padded_tokens=deep.padded_tokens,

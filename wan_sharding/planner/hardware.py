@@ -68,15 +68,15 @@ class Chip:
 # binaries, CCL scratch buffers, the prompt and timestep tensors, allocator fragmentation (assumed).
 DRAM_RESERVE = 0.05
 
-# Per-chip performance. Reference: shared/reference/wan22-facts.md ("Chip figures": Tenstorrent's
-# public spec pages for Wormhole n150 / Blackhole p150; the Blackhole bf16 figure is third-party).
+# Per-chip performance. Reference: docs/hardware-facts.md ("Chip figures": Tenstorrent's public
+# spec pages for Wormhole n150 / Blackhole p150; the Blackhole bf16 figure is third-party).
 # matmul_efficiency: tt-metal's hand-written Wan 2.2 runs 720p on a Wormhole Galaxy in ~4.4 s per
-# forward for ~6.5 PFLOP, i.e. ~46 TFLOPS per chip = ~0.6 of the 74 peak (wan22-facts.md); a
+# forward for ~6.5 PFLOP, i.e. ~46 TFLOPS per chip = ~0.6 of the 74 peak (docs/hardware-facts.md); a
 # compiler-generated graph is taken to do no better. The same fraction is assumed for Blackhole.
-# slice_back_gbps: the design seed measured +3.3 s per 480p forward on a Wormhole Galaxy from the
-# slice padding mode's 80 K/V slice-backs (5.6 -> 8.9 s); each moves 2 x 84 MB (read + write of
-# 32768 x 10 heads x 128 bf16), so such a slice runs at ~4 GB/s, far below DRAM speed (it cuts a
-# length that is no longer whole tiles). Blackhole: scaled by the DRAM bandwidth ratio (assumed).
+# slice_back_gbps: +3.3 s per 480p forward was measured on a Wormhole Galaxy from the slice
+# padding mode's 80 K/V slice-backs (5.6 -> 8.9 s; docs/hardware-facts.md); each moves 2 x 84 MB
+# (read + write of 32768 x 10 heads x 128 bf16), so such a slice runs at ~4 GB/s, far below DRAM
+# speed (it cuts a length that is no longer whole tiles). Blackhole: scaled by the DRAM bandwidth ratio (assumed).
 CHIP_PERF: dict[str, dict[str, float | str]] = {
     "wormhole_b0": {"peak_tflops": 74.0, "dram_gbps": 288.0, "matmul_efficiency": 0.6, "slice_back_gbps": 4.1,
                     "source": "Wormhole n150 spec (74 TFLOPS fp16/bf16, 288 GB/s GDDR6); efficiency and "

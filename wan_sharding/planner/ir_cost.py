@@ -3,7 +3,8 @@
 tt-mlir's TTNN module is a straight sequence of ops per device with per-device tensor types, and
 it has no asynchronous collectives: every CCL is an op between two compute ops. So a forward's
 time is charged as the sum of its ops (no overlap of communication with compute; this is where the
-model departs from the seed's throughput bound, which assumes async collectives):
+model departs from the throughput bound of ``docs/design.md``, which assumes async collectives).
+The module is read by the package's one TTNN parser (:mod:`wan_sharding.compile.ttnn_ir`):
 
 - ``matmul`` / ``linear``: roofline, ``max(FLOPs / (peak x efficiency), bytes / DRAM bandwidth)``
   with FLOPs = 2 x (result elements) x (contracted size);
@@ -16,59 +17,42 @@ model departs from the seed's throughput bound, which assumes async collectives)
 
 Attention scores: the compile-only path (torchax -> JAX) decomposes SDPA into matmul, softmax
 pieces and matmul, so the TTNN module materialises a (heads, L/SP, L) score tensor per device. A
-480p self-attention on 2x4 would need ~21 GB for it, more than a chip has, yet the seed ran that
-mesh on hardware: there attention does not materialise whole scores. With ``attention="fused"``
+480p self-attention on 2x4 would need ~21 GB for it, more than a chip has, yet that mesh ran on
+hardware (``docs/hardware-facts.md``): there attention does not materialise whole scores. With ``attention="fused"``
 (the default) score-shaped tensors are therefore taken to stay on chip (a flash-style kernel): their
 bytes are not charged, their FLOPs are. ``attention="materialised"`` charges them as written.
 """
 
 from __future__ import annotations
 
-import re
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..compile.ttnn_ir import COLLECTIVES, TensorType
+from ..compile.ttnn_ir import COLLECTIVES, IRError, Op, TensorType, TTNNModule
 from .hardware import Chip, Fabric, chunk_for, collective_seconds
 
-_OP = re.compile(r'"ttnn\.(\w+)"\(')
-_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]\w*)")
-_INT_ATTR = re.compile(r"\b(\w+) = (-?\d+) : [su]?i\d+")
-_BOOL_ATTR = re.compile(r"\b(transpose_a|transpose_b) = (true|false)")
 # Ops that do no work on device data.
 _FREE = {"deallocate", "get_device", "constant", "empty"}
 MATMULS = ("matmul", "linear")
 ATTENTION_MODES = ("fused", "materialised")
 
 
-class IRCostError(ValueError):
+class IRCostError(IRError):
     """A TTNN module this cost model cannot read."""
 
 
-@dataclass(frozen=True)
-class Op:
-    """One TTNN op with its per-device operand and result types."""
-
-    name: str
-    operands: tuple[TensorType, ...]
-    results: tuple[TensorType, ...]
-    attrs: dict[str, int]
-    transpose_a: bool
-    transpose_b: bool
-    line: int
-
-    @property
-    def flops(self) -> float:
-        """Multiply-add FLOPs of a matmul / linear (0 for other ops)."""
-        if self.name not in MATMULS or not self.results or not self.operands:
-            return 0.0
-        a = self.operands[0].shape
-        if len(a) < 2:
-            return 0.0
-        k = a[-2] if self.transpose_a else a[-1]
-        return 2.0 * self.results[0].elements * k
+def op_flops(op: Op) -> float:
+    """Multiply-add FLOPs of a matmul / linear (0 for other ops)."""
+    if op.name not in MATMULS or not op.results or not op.operands:
+        return 0.0
+    a = op.operands[0].shape
+    if len(a) < 2:
+        return 0.0
+    k = a[-2] if op.transpose_a else a[-1]
+    return 2.0 * op.results[0].elements * k
 
 
 def is_view(op: Op) -> bool:
@@ -80,29 +64,15 @@ def is_view(op: Op) -> bool:
     return len(a) >= 2 and len(r) >= 2 and a[-2:] == r[-2:]
 
 
-def _types(text: str) -> tuple[TensorType, ...]:
-    return tuple(TensorType(tuple(int(s) for s in dims.split("x") if s), dt) for dims, dt in _TENSOR.findall(text))
-
-
-def parse_ops(text: str) -> list[Op]:
-    """Every ``"ttnn.<op>"(`` line of a TTNN module's run-time functions. Left out: deallocations
-    and other free ops, and the ``const_eval`` functions (evaluated once when the program is
-    loaded, not in every forward)."""
-    ops = []
-    const_eval = False
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if "func.func" in line:
-            const_eval = "const_eval" in line
-            continue
-        m = _OP.search(line)
-        if not m or m.group(1) in _FREE or const_eval:
-            continue
-        head, _, tail = line.partition(" : (")
-        operands_txt, _, results_txt = tail.partition(") -> ")
-        attrs = {k: int(v) for k, v in _INT_ATTR.findall(head)}
-        flags = dict(_BOOL_ATTR.findall(head))
-        ops.append(Op(m.group(1), _types(operands_txt), _types(results_txt.split(" loc(")[0]), attrs,
-                      flags.get("transpose_a") == "true", flags.get("transpose_b") == "true", lineno))
+def parse_ops(text: str | TTNNModule) -> list[Op]:
+    """The ops of a TTNN module's run-time functions (parsed by :mod:`wan_sharding.compile.ttnn_ir`).
+    Left out: deallocations and other free ops, and the ``const_eval`` functions (evaluated once
+    when the program is loaded, not in every forward)."""
+    try:
+        module = text if isinstance(text, TTNNModule) else TTNNModule.parse(text)
+    except IRError:
+        module = None
+    ops = module.runtime_ops(_FREE) if module is not None else []
     if not ops:
         raise IRCostError("no TTNN ops found: not a TTNN module")
     return ops
@@ -225,9 +195,7 @@ def cost_ops(ops: Iterable[Op], *, chip: Chip, fabric: Fabric, mesh_shape: tuple
             result = op.results[0].bytes if op.results else operand
             if axis is None or axis >= len(mesh_shape):
                 # A collective over the whole mesh: charged on the slower axis with every device.
-                n, links, name = 1, None, "mesh"
-                for s in mesh_shape:
-                    n *= s
+                n, name = math.prod(mesh_shape), "mesh"
                 axis_index = min(range(len(mesh_shape)), key=lambda i: fabric.axes[i].links or 99)
                 links = fabric.axes[axis_index]
             else:
@@ -240,9 +208,10 @@ def cost_ops(ops: Iterable[Op], *, chip: Chip, fabric: Fabric, mesh_shape: tuple
             continue
         if op.name in MATMULS:
             nbytes = counted(op.operands) + counted(op.results)
-            cost.flops += op.flops
+            flops = op_flops(op)
+            cost.flops += flops
             cost.dram_bytes += nbytes
-            cost.matmul += max(op.flops / peak, nbytes / dram)
+            cost.matmul += max(flops / peak, nbytes / dram)
             continue
         if is_view(op):
             continue
@@ -259,4 +228,4 @@ def cost_ops(ops: Iterable[Op], *, chip: Chip, fabric: Fabric, mesh_shape: tuple
 
 def cost_file(path: str | Path, **kwargs: Any) -> Cost:
     """:func:`cost_ops` on an exported TTNN file."""
-    return cost_ops(parse_ops(Path(path).read_text()), **kwargs)
+    return cost_ops(parse_ops(TTNNModule.from_file(path)), **kwargs)

@@ -17,29 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..mesh import PHYSICAL_AXIS_NAMES, MeshError, parse_mesh_shape
 from ..plan import ShardingPlan
 from . import analytic, compiled
-from .candidates import AXIS_NAMES, Candidate, build_candidates
+from .analytic import Estimate  # noqa: F401  (stage-1 result; its home is analytic)
+from .candidates import Candidate, build_candidates
 from .hardware import Chip, Fabric, chip as chip_for, fabric_for
-from .ir_cost import ATTENTION_MODES, Cost
+from .ir_cost import ATTENTION_MODES
 from .workload import BF16, Workload
 
 
 class PlannerError(RuntimeError):
     """Nothing to recommend (no legal plan), or a bad request."""
-
-
-@dataclass
-class Estimate:
-    """Stage-1 (analytic) result for one candidate."""
-
-    per_block: Cost
-    seconds_per_forward: float
-    bill: list[analytic.BillItem]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seconds_per_forward": round(self.seconds_per_forward, 4), "per_block": self.per_block.to_json(),
-                "bill": [b.to_json() for b in self.bill]}
 
 
 @dataclass
@@ -146,8 +135,7 @@ def stage1(work: Workload, candidates: Sequence[Candidate], chip: Chip, fabric: 
     """Analytic estimate for every legal candidate; returns them fastest first."""
     legal = [c for c in candidates if c.legal]
     for c in legal:
-        per_block = analytic.block_cost(work, c.plan, chip, fabric)
-        c.analytic = Estimate(per_block, work.layers * per_block.total, analytic.block_bill(work, c.plan))
+        c.analytic = analytic.estimate(work, c.plan, chip, fabric)
     return sorted(legal, key=lambda c: (c.analytic.seconds_per_forward, len(c.idle_axes), c.name))
 
 
@@ -160,7 +148,8 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
     """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
 
     Args:
-        mesh: ``"RxC"`` (e.g. ``"8x4"``, ``"2x4"``) or ``(rows, cols)``: the physical chip grid.
+        mesh: ``"RxC"`` (e.g. ``"8x4"``, ``"2x4"``), a mesh preset name or ``(rows, cols)``: the
+            physical chip grid (read by :func:`wan_sharding.mesh.parse_mesh_shape`).
         arch: ``"wormhole_b0"`` or ``"blackhole"``.
         variant, resolution, latent: the workload (see :meth:`Workload.build`).
         top: how many stage-1 survivors to compile (stage 2).
@@ -186,7 +175,10 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         raise PlannerError(f"unknown attention mode {attention!r}; choose one of {ATTENTION_MODES}")
     if top < 1:
         raise PlannerError(f"top must be >= 1, got {top}")
-    shape = parse_mesh(mesh)
+    try:
+        shape = parse_mesh_shape(mesh)
+    except MeshError as e:
+        raise PlannerError(str(e)) from None
     try:
         work = Workload.build(variant, resolution, latent)
         chip = chip_for(arch)
@@ -199,7 +191,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
     timings["model"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     cands = build_candidates(work, shape, chip.usable_dram_bytes, lambda p: weight_bytes_per_expert(work.variant, p),
-                             attention, AXIS_NAMES, keep)
+                             attention, PHYSICAL_AXIS_NAMES, keep)
     ordered = stage1(work, cands, chip, fabric)
     timings["stage1"] = time.perf_counter() - t1
     say(f"stage 1: {len(cands)} candidates, {len(ordered)} legal, analytic best "
@@ -239,21 +231,6 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         recommended = ordered[0]
     timings["total"] = time.perf_counter() - t0
     return PlanReport(work, chip, fabric, cands, _rank(cands, ordered), recommended, top, attention, timings, compile)
-
-
-def parse_mesh(mesh: str | Sequence[int]) -> tuple[int, int]:
-    """``"8x4"`` / ``(8, 4)`` -> ``(8, 4)``; a clear error for anything else."""
-    if isinstance(mesh, str):
-        parts = mesh.lower().replace(",", "x").split("x")
-        try:
-            shape = tuple(int(p) for p in parts)
-        except ValueError:
-            raise PlannerError(f"mesh must look like ROWSxCOLS (e.g. 8x4), got {mesh!r}") from None
-    else:
-        shape = tuple(int(s) for s in mesh)
-    if len(shape) != 2 or min(shape) < 1:
-        raise PlannerError(f"mesh must be two positive sizes ROWSxCOLS (e.g. 8x4), got {mesh!r}")
-    return shape  # type: ignore[return-value]
 
 
 def _rank(cands: Sequence[Candidate], ordered: Sequence[Candidate]) -> list[Candidate]:

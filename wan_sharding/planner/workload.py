@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ..mesh import padded_length
 from ..mesh import TILE
-from ..models import FULL_CONFIGS, PROMPT_TOKENS, RESOLUTIONS, VARIANTS
+from ..models import FULL_CONFIGS, PROMPT_TOKENS, RESOLUTIONS, VARIANTS, LatentShape
 from ..plan import ShardingPlan
 
 BF16, F32 = 2, 4
 # A14B pipelines hold two experts (high noise, low noise) and run both in every request, so both
-# stay resident; TI2V-5B has one (reference: wan22-facts.md).
+# stay resident; TI2V-5B has one (docs/design.md).
 EXPERTS = {"t2v-a14b": 2, "i2v-a14b": 2, "ti2v-5b": 1}
 
 
@@ -60,15 +61,14 @@ class Workload:
     @property
     def tokens(self) -> int:
         """Flat token count L (patchified latent)."""
-        return (self.latent[0] // self.patch[0]) * (self.latent[1] // self.patch[1]) * (self.latent[2] // self.patch[2])
+        return LatentShape(*self.latent).tokens(self.patch)
 
     def padded_tokens(self, sp: int, padding: str) -> int:
         """L after padding to a multiple of SP x 32 (what ``apply_dit_sp_activation_sharding``
         does; skipped when already a multiple, and with ``padding="none"``)."""
         if padding == "none":
             return self.tokens
-        m = sp * TILE
-        return -(-self.tokens // m) * m
+        return padded_length(self.tokens, sp * TILE)
 
     def block_weight_params(self) -> int:
         """Parameters of the large matrices of one block (attn1, attn2: 4 D x D each; FFN)."""

@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 
-from .models import PROMPT_TOKENS, build_dit, config_for
-
-PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
+from ..models import PROMPT_TOKENS, build_dit, config_for
+from .shard import SUPPORTED_PIPELINES as PIPELINE_CLASSES
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from typing import Any, Iterator
 
 import torch
 
-from .activation import _APPLIED, DEFAULT_PADDING, SPHandle, apply_dit_sp_activation_sharding
-from .attention import PADDING_MODES
-from .backends import Backend, get_backend
-from .mesh import MeshSpec
-from .specs import ShardingError, ShardSpecs, check_wan_model, shard_dit_specs
+from ..activation import _APPLIED, SPHandle, apply_dit_sp_activation_sharding
+from ..backends import Backend, get_backend
+from ..mesh import MeshSpec
+from ..options import DEFAULT_PADDING, PADDING_NAMES
+from ..specs import ShardingError, ShardSpecs, check_wan_model, shard_dit_specs
 
 EXPERT_COMPONENTS = ("transformer", "transformer_2")
 SUPPORTED_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
@@ -92,10 +92,10 @@ class ShardedTransformer(torch.nn.Module):
     def forward(self, *args: Any, return_dict: bool = True, **kwargs: Any):
         dit = self.dit
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        if "attention_kwargs" in kwargs and self._backend.name == "jax":
+        if "attention_kwargs" in kwargs and self._backend.traces_whole_forward:
             raise ShardingError(
-                "attention_kwargs (a LoRA scale) cannot be passed into the jax backend's compiled forward; fuse the "
-                "LoRA into the weights (pipe.fuse_lora()) before shard_pipeline, or use the xla backend"
+                f"attention_kwargs (a LoRA scale) cannot be passed into the {self._backend.name} backend's compiled "
+                "forward; fuse the LoRA into the weights (pipe.fuse_lora()) before shard_pipeline, or use the xla backend"
             )
         out = self._backend.run(dit, self._placed, *args, **kwargs)
         self.__dict__["calls"] += 1
@@ -273,8 +273,8 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
             f"this {type(pipe).__name__} is already sharded (on {live.mesh.name}); call handle.remove() "
             "on the first handle before sharding it again"
         )
-    if padding not in PADDING_MODES:
-        raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_MODES)}")
+    if padding not in PADDING_NAMES:
+        raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_NAMES)}")
 
     found = [(name, getattr(pipe, name, None)) for name in EXPERT_COMPONENTS]
     found = [(name, dit) for name, dit in found if dit is not None]
@@ -356,7 +356,7 @@ def _warn_if_torch_xla_in_jax_process(pipe: Any, be: Backend) -> None:
     import sys
     import warnings
 
-    if be.name == "jax" and getattr(sys.modules.get(type(pipe).__module__), "XLA_AVAILABLE", False):
+    if not be.uses_torch_xla and getattr(sys.modules.get(type(pipe).__module__), "XLA_AVAILABLE", False):
         warnings.warn(
             f"{type(pipe).__name__} will call torch_xla's mark_step() after every step (torch-xla is installed), "
             "starting torch-xla's runtime in this JAX process; call wan_sharding.pipeline.diffusers_without_torch_xla() "

@@ -1,30 +1,17 @@
-"""``wan-sharding plan``: rank sharding plans for a Tenstorrent mesh and recommend one.
+"""The planner's report as text: the ranked table, the recommendation, the short bill (library;
+no argument parsing). ``wan-sharding plan`` prints these (:mod:`wan_sharding.cli.plan`).
 
-    wan-sharding plan --mesh 8x4 --arch wormhole_b0 --resolution 480p [--variant t2v-a14b]
-                      [--top K] [--json] [--write PLAN.json]
-
-Prints a ranked table (plan, memory per chip, per-block collective bill, estimated seconds per
-forward and why each plan lost) and the recommended plan; ``--write`` saves it as a
-``ShardingPlan`` JSON file for ``shard_dit_specs(dit, ShardingPlan.load(path))``.
-
-Exit codes: 0 a plan was recommended; 1 nothing to recommend (no legal plan, or tt-mlir rejected
-every survivor); 2 bad arguments or the compiler could not be run.
+Exit codes (:func:`plan_exit_code`): :data:`EXIT_OK` a plan was recommended; :data:`EXIT_NO_PLAN`
+nothing to recommend (no legal plan, or tt-mlir rejected every survivor); :data:`EXIT_ERROR` bad
+arguments or the compiler could not be run.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
 from collections import Counter
 from typing import Any
 
-from ..compile.lowering import latent_for
-from ..models import RESOLUTIONS, VARIANTS
-from .hardware import ARCHS, TOPOLOGIES
-from .ir_cost import ATTENTION_MODES
-from .search import PlannerError, PlanReport, plan_sharding
+from .search import PlanReport
 
 EXIT_OK, EXIT_NO_PLAN, EXIT_ERROR = 0, 1, 2
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A",
@@ -146,72 +133,6 @@ def _reason_class(text: str) -> str:
     return text[:60]
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    progress = None if args.json or args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    try:
-        report = plan_sharding(args.mesh, args.arch, args.variant, args.resolution,
-                               latent_for(None, args.latent) if args.latent else None, top=args.top,
-                               compile=not args.no_compile, attention=args.attention, topology=args.topology,
-                               work_dir=args.out, timeout=args.timeout, keep=_restriction(args), progress=progress)
-    except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
-        if args.json:
-            print(json.dumps({"ok": False, "error": str(e)}))
-        else:
-            print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    data = report.to_json()
-    data["wall_seconds"] = round(time.perf_counter() - t0, 2)
-    if args.write and report.recommended is not None:
-        report.recommended.plan.save(args.write)
-        data["written"] = str(args.write)
-    if args.json:
-        print(json.dumps(data))
-    else:
-        print(format_report(report, data))
-        if data.get("written"):
-            print(f"wrote {data['written']}: shard_dit_specs(dit, ShardingPlan.load({str(args.write)!r}))")
+def plan_exit_code(report: PlanReport) -> int:
+    """:data:`EXIT_OK` when a plan is recommended, else :data:`EXIT_NO_PLAN`."""
     return EXIT_OK if report.recommended is not None else EXIT_NO_PLAN
-
-
-def _restriction(args: argparse.Namespace):
-    """A plan filter from ``--layout`` / ``--padding`` / ``--fsdp`` (None when none is given)."""
-    tests = []
-    if args.layout:
-        tests.append(lambda p: p.layout == args.layout)
-    if args.padding:
-        tests.append(lambda p: p.padding == args.padding or (p.padding == "none" and p.mesh().sp == 1))
-    if args.fsdp:
-        tests.append(lambda p: p.fsdp == (args.fsdp == "on") or (args.fsdp == "on" and p.mesh().sp == 1))
-    return (lambda p: all(t(p) for t in tests)) if tests else None
-
-
-def add_subcommands(sub: Any) -> None:
-    """Add ``plan`` to an argparse subparsers object (sets ``func``)."""
-    p = sub.add_parser(
-        "plan", help="rank sharding plans for a Tenstorrent mesh from compiled TTNN IR and recommend one",
-        description="Two-stage planner: enumerate SP/TP axis assignments, FSDP, layout and padding; filter by "
-                    "divisibility, tiles and per-chip memory; rank analytically; compile the best with tt-mlir "
-                    "(compile-only) and rank them on a model of the chip fabric.")
-    p.add_argument("--mesh", default="8x4", help="physical chip grid ROWSxCOLS (default 8x4)")
-    p.add_argument("--arch", choices=list(ARCHS), default="wormhole_b0")
-    p.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
-    p.add_argument("--latent", default=None, help="latent F,H,W instead of a resolution")
-    p.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
-    p.add_argument("--top", type=int, default=6, help="stage-1 survivors to compile (default 6)")
-    p.add_argument("--attention", choices=list(ATTENTION_MODES), default="fused",
-                   help="whether attention scores stay on chip (fused, default) or go to DRAM")
-    p.add_argument("--topology", choices=list(TOPOLOGIES), default="machine",
-                   help="the machine's wiring (default), or force every axis to a line / ring")
-    p.add_argument("--layout", choices=["replicated", "sharded"], default=None, help="only plans with this layout")
-    p.add_argument("--padding", choices=["mask", "slice", "none"], default=None,
-                   help="only plans with this padding mode (SP 1 plans, which need none, stay)")
-    p.add_argument("--fsdp", choices=["on", "off"], default=None, help="only plans with (on) or without (off) FSDP")
-    p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per compile batch")
-    p.add_argument("--out", default=None, help="folder for the compiled IRs (default: a new temp folder)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--write", default=None, metavar="PLAN.json", help="save the recommended ShardingPlan")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(func=_cmd_plan)
-

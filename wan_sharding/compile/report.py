@@ -1,37 +1,40 @@
-"""``wan-sharding sysdesc`` and ``wan-sharding compile``: the compile-only checks as commands.
+"""Compile reports: what ``wan-sharding compile`` prints, as data (library; no argument parsing).
 
-``compile`` compiles the sharded DiT through tt-mlir (in worker subprocesses, see
-:mod:`wan_sharding.compile.lowering`), reads the TTNN IR (:mod:`wan_sharding.compile.ttnn_ir`) and
-checks the two things compile-only mode can check: the per-block collective bill against the
-design seed, and that every per-device token dim split over SP is tile-aligned.
+:func:`compile_reports` compiles each request next to a shallower twin (1 block, or 2 when 1 is
+asked for): the difference of the two is what one block costs. That compile is cheap next to the
+full one. A padded request also gets both depths compiled unpadded, so the report can name the ops
+that are there only because of padding. :func:`build_report` then checks the two things
+compile-only mode can check: the per-block collective bill against the design
+(``docs/design.md``), and that every per-device token dim split over SP is tile-aligned
+(``docs/tt-mlir-notes.md``).
 
-The per-block bill needs a second, shallower compile (1 block, or 2 when 1 is asked for): the
-difference of the two is what one block costs. That compile is cheap next to the full one.
-
-Exit codes: 0 all checks pass; 1 the bill differs from the design or a token dim is not
-tile-aligned; 2 bad arguments, missing plugin or descriptor trouble, or a compile tt-mlir rejected.
+Exit codes (:func:`report_exit_code`): :data:`EXIT_OK` all checks pass; :data:`EXIT_CHECK_FAILED`
+the bill differs from the design or a token dim is not tile-aligned; :data:`EXIT_ERROR` bad
+arguments, missing plugin or descriptor trouble, or a compile tt-mlir rejected.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..mesh import PRESETS, MeshError, mesh_from_preset
-from ..models import RESOLUTIONS, VARIANTS
-from ..plan import DEFAULT_PADDING
-from . import sysdesc, ttnn_ir
-from .lowering import CompileError, CompileRequest, CompileResult, compile_many, latent_for
+from ..mesh import TILE
+from . import bill as ir_bill
+from .request import CompileRequest, CompileResult
+from .runner import compile_many
+from .ttnn_ir import REPORTED_OPS, TTNNModule
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR = 0, 1, 2
 
 
-# ----------------------------------------------------------------------------------- reports
+def format_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
 
 
 def base_depth(blocks: int) -> int:
@@ -43,7 +46,7 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
     """One compile's summary: op histogram, collectives, per-block bill against the design, tile
     alignment, times. ``base`` is the shallower compile of the same configuration (or None)."""
     req = main.request
-    mesh = mesh_from_preset(req.mesh)
+    mesh = req.mesh_spec()
     report: dict[str, Any] = {
         "ok": main.ok,
         "mesh": req.mesh, "sp": mesh.sp, "tp": mesh.tp,
@@ -54,17 +57,17 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         "compile_seconds": main.compile_seconds, "lower_seconds": main.lower_seconds,
         "build_lower_compile_seconds": main.total_seconds, "rss_mb": main.rss_mb,
         "ttnn_path": main.ttnn_path,
-        "design": {f"{k}/{s}/{a}": n for (k, s, a), n in ttnn_ir.design_bill(mesh).items()},
+        "design": {f"{k}/{s}/{a}": n for (k, s, a), n in ir_bill.design_bill(mesh).items()},
     }
     if not main.ok:
         report.update(error=main.error, diagnostics=main.diagnostics[:10], bill_ok=False, tile_aligned=None,
                       ops={}, per_block={})
         return report
-    module = ttnn_ir.TTNNModule.from_file(main.ttnn_path)
-    tiles = ttnn_ir.tile_alignment(module, mesh)
+    module = TTNNModule.from_file(main.ttnn_path)
+    tiles = ir_bill.tile_alignment(module, mesh)
     report.update(
         ops=module.histogram(),
-        collectives=ttnn_ir.collective_table(module, mesh),
+        collectives=ir_bill.collective_table(module, mesh),
         tile_aligned=tiles["aligned"], token_dims=tiles["token_dims"], misaligned=tiles["misaligned"],
     )
     if base is None or not base.ok:
@@ -72,9 +75,9 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
                       bill_problems=[f"no per-block bill: the {base_depth(req.num_blocks)}-block compile "
                                      f"{'was not run' if base is None else 'failed: ' + str(base.error)}"])
         return report
-    bill = ttnn_ir.per_block_bill(ttnn_ir.TTNNModule.from_file(base.ttnn_path), module,
+    bill = ir_bill.per_block_bill(TTNNModule.from_file(base.ttnn_path), module,
                                   base.request.num_blocks, req.num_blocks, mesh)
-    problems = ttnn_ir.bill_problems(bill, mesh)
+    problems = ir_bill.bill_problems(bill, mesh)
     report.update(
         per_block=bill.counts(), per_block_totals=bill.totals(),
         per_block_entries=[e.to_json() for e in bill.entries], per_block_ops=bill.ops,
@@ -121,13 +124,15 @@ def padding_report(padded: Sequence[CompileResult], unpadded: Sequence[CompileRe
         failed = [r for r in [*padded, *unpadded] if not r.ok]
         return {"padding_ops_per_block": None, "padding_ops_per_forward": None,
                 "padding_note": f"no comparison: {failed[0].request.label()} did not compile ({failed[0].error})"}
-    mods = [ttnn_ir.TTNNModule.from_file(r.ttnn_path) for r in [*padded, *unpadded]]
+    mods = [TTNNModule.from_file(r.ttnn_path) for r in [*padded, *unpadded]]
     depths = (padded[1].request.num_blocks, padded[0].request.num_blocks)
-    cost = ttnn_ir.padding_cost((mods[1], mods[0]), (mods[3], mods[2]), depths)
+    cost = ir_bill.padding_cost((mods[1], mods[0]), (mods[3], mods[2]), depths)
     return {"padding_ops_per_block": cost["per_block"], "padding_ops_per_forward": cost["per_forward"]}
 
 
 def report_exit_code(report: dict[str, Any]) -> int:
+    """:data:`EXIT_ERROR` when the compile failed, :data:`EXIT_CHECK_FAILED` when the bill or the
+    tile check failed, else :data:`EXIT_OK`."""
     if not report["ok"]:
         return EXIT_ERROR
     return EXIT_OK if report["bill_ok"] and report["tile_aligned"] else EXIT_CHECK_FAILED
@@ -155,21 +160,21 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
     ops = list(report["ops"].items())
     for name, n in ops[:top]:
         lines.append(f"  {name:<32} {n:>7}")
-    rest = [(k, v) for k, v in ops[top:] if k in ttnn_ir.REPORTED_OPS]
+    rest = [(k, v) for k, v in ops[top:] if k in REPORTED_OPS]
     for name, n in rest:
         lines.append(f"  {name:<32} {n:>7}")
     lines.append("")
     lines.append("collectives in the whole graph (per device):")
     for r in report["collectives"]:
         lines.append(f"  {r['count']:>4} x {r['kind']:<15} over {str(r['axis']):<4} {r['size']:<6} "
-                     f"{r['payload']:<24} -> {r['result']:<24} {ttnn_ir.format_bytes(r['bytes']):>10}")
+                     f"{r['payload']:<24} -> {r['result']:<24} {format_bytes(r['bytes']):>10}")
     lines.append("")
     if report.get("per_block_entries") is not None:
         lines.append(f"per-block collective bill (difference of the {report['base_blocks']}- and "
                      f"{report['blocks']}-block graphs):")
         for e in report["per_block_entries"]:
             lines.append(f"  {e['count']:>4} x {e['kind']:<12} over {str(e['axis']):<4} {e['size']:<6} "
-                         f"{e['payload']:<24} {ttnn_ir.format_bytes(e['bytes']):>10} per device")
+                         f"{e['payload']:<24} {format_bytes(e['bytes']):>10} per device")
         tot = report["per_block_totals"]
         lines.append(f"  = {tot['large']:g} large + {tot['small']:g} small per block")
     design = ", ".join(f"{n} {k.replace('/', ' ')}" for k, n in report["design"].items())
@@ -190,106 +195,8 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
     if report["sp"] > 1:
         dims = ", ".join(map(str, report["token_dims"])) or "none found"
         lines.append(f"tile alignment: {'OK' if report['tile_aligned'] else 'NOT ALIGNED'} "
-                     f"(per-device token dims split over SP: {dims}; tile {ttnn_ir.TILE})")
+                     f"(per-device token dims split over SP: {dims}; tile {TILE})")
         lines += [f"  {m}" for m in report["misaligned"][:5]]
     else:
         lines.append("tile alignment: OK (SP = 1: nothing is split over the token dim)")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------- commands
-
-
-def _cmd_sysdesc(args: argparse.Namespace) -> int:
-    try:
-        mesh = mesh_from_preset(args.mesh)
-        path = sysdesc.write_system_descriptor(args.output, args.arch, mesh.num_devices,
-                                               grid=tuple(mesh.shape), topology=args.topology)
-    except (MeshError, ValueError, sysdesc.SystemDescriptorError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    data = path.read_bytes()
-    desc = sysdesc.read_system_descriptor(data)
-    print(f"wrote {path}: {desc['num_chips']} x {args.arch} chips on a {mesh.name} grid, "
-          f"{len(desc['channels'])} ethernet links ({args.topology}), schema hash {desc['schema_hash'][:12]}...")
-    version = sysdesc.installed_plugin_version()
-    if version is None:
-        print(f"note: {sysdesc.PLUGIN_DIST} is not installed here; the schema hash was not checked")
-        return EXIT_OK
-    try:
-        sysdesc.check_plugin_schema(data)
-    except sysdesc.SystemDescriptorError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    print(f"matches {sysdesc.PLUGIN_DIST}=={version}; use it with TT_COMPILE_ONLY_SYSTEM_DESC={path}")
-    return EXIT_OK
-
-
-def _cmd_compile(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    try:
-        latent = latent_for(args.resolution, args.latent)
-        out = Path(args.out) if args.out else None
-        blocks = args.blocks
-        req = CompileRequest(
-            variant=args.variant, mesh=args.mesh, latent=latent, blocks=blocks, size=args.size,
-            padding=args.padding, anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
-            resolution=args.resolution if args.latent is None else None,
-            out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
-        ).validate()
-        report = compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
-    except (CompileError, ValueError) as e:
-        if args.json:
-            print(json.dumps({"ok": False, "error": str(e)}))
-        else:
-            print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    report["wall_seconds"] = round(time.perf_counter() - t0, 2)
-    if out is not None:
-        (out / "report.json").write_text(json.dumps(report, indent=1))
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(format_report(report))
-        print(f"(wall time with both compiles and process start-up: {report['wall_seconds']:.0f} s)")
-    return report_exit_code(report)
-
-
-def add_subcommands(sub: Any) -> None:
-    """Add ``sysdesc`` and ``compile`` to an argparse subparsers object; each sets ``func``."""
-    archs = list(sysdesc.ARCHS)
-    p = sub.add_parser("sysdesc", help="write a tt-mlir system descriptor (.ttsys) for compile-only mode",
-                       description="Write a Tenstorrent system descriptor for the chips of a mesh preset, "
-                                   "for TT_COMPILE_ONLY_SYSTEM_DESC.")
-    p.add_argument("--arch", choices=archs, default="wormhole_b0")
-    p.add_argument("--mesh", default="8x4", help=f"mesh preset: {', '.join(PRESETS)} (default 8x4)")
-    p.add_argument("--topology", choices=sysdesc.TOPOLOGIES, default="none",
-                   help="ethernet links to list (default none: what compile-only needs)")
-    p.add_argument("-o", "--output", required=True, help="file to write (.ttsys)")
-    p.set_defaults(func=_cmd_sysdesc)
-
-    c = sub.add_parser(
-        "compile", help="compile the sharded DiT with tt-mlir (compile-only) and check its collectives",
-        description="Compile the sharded Wan DiT through tt-mlir without hardware, print the TTNN op "
-                    "histogram and the per-block collective bill, and check the bill against the design "
-                    "and the per-device token dims for tile alignment. Exit 1 when a check fails.")
-    c.add_argument("--mesh", default="8x4", help=f"mesh preset: {', '.join(PRESETS)} (default 8x4)")
-    c.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
-    c.add_argument("--latent", default=None, help="latent F,H,W instead of a resolution, e.g. 21,60,104")
-    c.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
-    c.add_argument("--blocks", type=int, default=None, help="transformer blocks (default: all of the variant's)")
-    c.add_argument("--size", choices=["full", "tiny"], default="full", help="real widths or the tiny test config")
-    c.add_argument("--arch", choices=archs, default="wormhole_b0")
-    c.add_argument("--padding", choices=["slice", "mask", "none"], default=DEFAULT_PADDING,
-                   help=f"how the token dim is padded to SP x 32 (default {DEFAULT_PADDING})")
-    c.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
-    c.add_argument("--batch", type=int, default=1)
-    c.add_argument("--no-anchor", action="store_true",
-                   help="drop the replicated constraint before each L-on-SP split (shows why it is there)")
-    c.add_argument("--out", default=None, help="folder for IRs, logs and report.json (default: a new temp folder, kept so the "
-                        "printed IR paths stay readable)")
-    c.add_argument("--timeout", type=float, default=3600.0, help="seconds for both compiles (default 3600)")
-    c.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    c.add_argument("-v", "--verbose", action="store_true", help="echo the compiler log")
-    c.set_defaults(func=_cmd_compile)
-

@@ -1,0 +1,152 @@
+"""The one worker runner (wan_sharding.workers): protocol, watchdog, cleanup, atomic files, and
+that interrupting a command leaves none of its workers running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from wan_sharding.workers import PARENT_ENV, atomic_path, atomic_write, run_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _worker_module(tmp_path: Path, body: str) -> tuple[str, dict[str, str]]:
+    """A throwaway worker module ``fake_worker`` on PYTHONPATH, running ``body`` as its job."""
+    (tmp_path / "fake_worker.py").write_text(textwrap.dedent('''
+        import sys, time
+        from wan_sharding.workers import emit, worker_main
+
+        def job(params):
+        ''') + textwrap.indent(textwrap.dedent(body), "    ") + "\nsys.exit(worker_main(job))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    return "fake_worker", env
+
+
+def test_protocol_params_in_results_out(tmp_path):
+    module, env = _worker_module(tmp_path, '''
+        emit({"early": params["x"]})
+        print("a log line")
+        print("to stderr", file=sys.stderr)
+        return [{"late": params["x"] * 2}]
+    ''')
+    run = run_worker(module, {"x": 21}, env, label="fake")
+    assert run.ok and run.results == [{"early": 21}, {"late": 42}]
+    assert "a log line" in run.output and "to stderr" in run.output  # merged when not echoing
+    assert "RESULT" not in run.output
+
+
+def test_a_hung_worker_is_restarted_then_reported(tmp_path):
+    module, env = _worker_module(tmp_path, '''
+        time.sleep(60)  # uses no CPU: looks exactly like the jaxlib deadlock
+    ''')
+    start = time.monotonic()
+    run = run_worker(module, {}, env, label="sleeper", stall_s=3, retries_on_stall=1)
+    assert run.stalled and not run.ok
+    assert run.output.count("made no progress") == 1  # the note of the last attempt
+    assert time.monotonic() - start < 30  # two attempts of ~3-5 s, not 60 s
+
+
+def test_a_worker_past_its_timeout_is_stopped(tmp_path):
+    module, env = _worker_module(tmp_path, '''
+        end = time.time() + 60
+        while time.time() < end:  # busy: not a stall
+            pass
+    ''')
+    run = run_worker(module, {}, env, label="spinner", timeout=3)
+    assert run.timed_out and not run.ok and "limit" in run.output
+
+
+def test_atomic_write_leaves_nothing_when_interrupted(tmp_path):
+    target = tmp_path / "out" / "result.json"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise KeyboardInterrupt
+    assert not target.exists() and list(target.parent.iterdir()) == []
+    atomic_write(target, "whole\n")
+    assert target.read_text() == "whole\n" and [p.name for p in target.parent.iterdir()] == ["result.json"]
+    assert target.stat().st_mode & 0o044  # readable by others, as a plain write would be
+
+
+# ---- interrupting a command ------------------------------------------------------------------
+
+
+def _workers_of(pid: int) -> list[int]:
+    """Live processes started by the runner on behalf of process ``pid``."""
+    marker = f"{PARENT_ENV}={pid}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in env.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _interrupt_when_working(cmd: list[str], sig: int, settle_s: float = 4.0) -> tuple[int, int, str]:
+    """Start ``cmd``, wait until its worker runs, let it work ``settle_s``, send ``sig`` to the
+    command (as Ctrl-C does to the foreground process); returns (rc, workers left, stderr)."""
+    env = dict(os.environ)
+    env.pop("JAX_PLATFORMS", None)  # the command sets up its workers' environments itself
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _workers_of(proc.pid):
+            assert proc.poll() is None, f"the command ended before it started a worker: {proc.stderr.read()}"
+            assert time.monotonic() < deadline, "no worker appeared within 120 s"
+            time.sleep(0.2)
+        time.sleep(settle_s)
+        assert _workers_of(proc.pid), "the worker ended by itself before the interrupt"
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=60)
+        stderr = proc.stderr.read()
+        left = _workers_of(proc.pid)
+        for _ in range(20):  # a killed process may take a moment to disappear
+            if not left:
+                break
+            time.sleep(0.25)
+            left = _workers_of(proc.pid)
+        return rc, len(left), stderr
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _workers_of(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+CLI = [sys.executable, "-m", "wan_sharding.cli"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupting_generate_stops_its_worker_and_writes_nothing(tmp_path, sig):
+    out = tmp_path / "generate"
+    rc, left, stderr = _interrupt_when_working(
+        [*CLI, "generate", "--mesh", "1x4", "--backend", "jax", "--steps", "50", "--out", str(out)], sig)
+    assert left == 0
+    assert rc == 130, stderr[-2000:]
+    assert "interrupted" in stderr
+    assert not out.exists() or not [p for p in out.iterdir() if not p.name.startswith(".")]
+
+
+def test_ctrl_c_on_compile_stops_its_worker(tmp_path):
+    rc, left, stderr = _interrupt_when_working(
+        [*CLI, "compile", "--size", "tiny", "--mesh", "1x4", "--blocks", "1",
+         "--out", str(tmp_path / "ir")], signal.SIGINT, settle_s=2.0)
+    assert left == 0
+    assert rc == 130, stderr[-2000:]
+    assert not (tmp_path / "ir" / "report.json").exists()

@@ -1,0 +1,41 @@
+"""Argument types shared by the commands: one spelling of each choice (``wan_sharding.options``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..mesh import PRESET_TABLE, MeshError, preset_key
+from ..options import DTYPE_ALIASES, DTYPES, PADDING_NAMES, dtype_name
+
+
+def preset(text: str) -> str:
+    """A mesh preset name, normalised (``"2 x 4"`` -> ``"2x4"``)."""
+    try:
+        return preset_key(text)
+    except MeshError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def dtype(text: str) -> str:
+    """``fp32`` or ``bf16`` (``f32``, ``float32``, ``bfloat16`` accepted)."""
+    try:
+        return dtype_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_mesh(ap: argparse.ArgumentParser, default: str, *extra: str, help: str = "") -> None:
+    """``--mesh`` with the presets (and any ``extra`` names) as its choices."""
+    choices = [*PRESET_TABLE, *extra]
+    ap.add_argument("--mesh", default=default, type=lambda t: t if t in extra else preset(t), choices=choices,
+                    metavar="MESH", help=help or f"mesh preset: {', '.join(choices)} (default {default})")
+
+
+def add_dtype(ap: argparse.ArgumentParser, default: str | None, help: str = "") -> None:
+    ap.add_argument("--dtype", default=default, type=dtype, choices=DTYPES, metavar="{" + ",".join(DTYPES) + "}",
+                    help=help or f"compute dtype (also accepted: {', '.join(a for a in DTYPE_ALIASES if a not in DTYPES)})")
+
+
+def add_padding(ap: argparse.ArgumentParser, default: str) -> None:
+    ap.add_argument("--padding", default=default, choices=list(PADDING_NAMES),
+                    help=f"how the token dim is padded to SP x 32 (default {default})")

@@ -1,0 +1,119 @@
+"""``sysdesc`` and ``compile``: the compile-only checks as commands (arguments and printing only).
+
+``compile`` compiles the sharded DiT through tt-mlir and checks its per-block collective bill and
+tile alignment (:func:`wan_sharding.compile.compile_reports`); ``sysdesc`` writes a system
+descriptor for ``TT_COMPILE_ONLY_SYSTEM_DESC``.
+
+Exit codes: 0 all checks pass; 1 the bill differs from the design or a token dim is not
+tile-aligned; 2 bad arguments, missing plugin or descriptor trouble, or a compile tt-mlir rejected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..compile import (EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, compile_reports, format_report,
+                       latent_for, report_exit_code, sysdesc)
+from ..mesh import PRESETS, MeshError, mesh_from_preset
+from ..models import RESOLUTIONS, VARIANTS
+from ..options import DEFAULT_PADDING
+from ..workers import atomic_write
+from .args import add_dtype, add_padding
+
+
+def _cmd_sysdesc(args: argparse.Namespace) -> int:
+    try:
+        mesh = mesh_from_preset(args.mesh)
+        path = sysdesc.write_system_descriptor(args.output, args.arch, mesh.num_devices,
+                                               grid=tuple(mesh.shape), topology=args.topology)
+    except (MeshError, ValueError, sysdesc.SystemDescriptorError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    data = path.read_bytes()
+    desc = sysdesc.read_system_descriptor(data)
+    print(f"wrote {path}: {desc['num_chips']} x {args.arch} chips on a {mesh.name} grid, "
+          f"{len(desc['channels'])} ethernet links ({args.topology}), schema hash {desc['schema_hash'][:12]}...")
+    version = sysdesc.installed_plugin_version()
+    if version is None:
+        print(f"note: {sysdesc.PLUGIN_DIST} is not installed here; the schema hash was not checked")
+        return EXIT_OK
+    try:
+        sysdesc.check_plugin_schema(data)
+    except sysdesc.SystemDescriptorError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"matches {sysdesc.PLUGIN_DIST}=={version}; use it with TT_COMPILE_ONLY_SYSTEM_DESC={path}")
+    return EXIT_OK
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    try:
+        latent = latent_for(args.resolution, args.latent)
+        out = Path(args.out) if args.out else None
+        blocks = args.blocks
+        req = CompileRequest(
+            variant=args.variant, mesh=args.mesh, latent=latent, blocks=blocks, size=args.size,
+            padding=args.padding, anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
+            resolution=args.resolution if args.latent is None else None,
+            out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
+        ).validate()
+        report = compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
+    except (CompileError, ValueError) as e:
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(e)}))
+        else:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    report["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    if out is not None:
+        atomic_write(out / "report.json", json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_report(report))
+        print(f"(wall time with both compiles and process start-up: {report['wall_seconds']:.0f} s)")
+    return report_exit_code(report)
+
+
+def add_subcommands(sub: Any) -> None:
+    """Add ``sysdesc`` and ``compile`` to an argparse subparsers object; each sets ``func``."""
+    archs = list(sysdesc.ARCHS)
+    p = sub.add_parser("sysdesc", help="write a tt-mlir system descriptor (.ttsys) for compile-only mode",
+                       description="Write a Tenstorrent system descriptor for the chips of a mesh preset, "
+                                   "for TT_COMPILE_ONLY_SYSTEM_DESC.")
+    p.add_argument("--arch", choices=archs, default="wormhole_b0")
+    p.add_argument("--mesh", default="8x4", help=f"mesh preset: {', '.join(PRESETS)} (default 8x4)")
+    p.add_argument("--topology", choices=sysdesc.TOPOLOGIES, default="none",
+                   help="ethernet links to list (default none: what compile-only needs)")
+    p.add_argument("-o", "--output", required=True, help="file to write (.ttsys)")
+    p.set_defaults(func=_cmd_sysdesc)
+
+    c = sub.add_parser(
+        "compile", help="compile the sharded DiT with tt-mlir (compile-only) and check its collectives",
+        description="Compile the sharded Wan DiT through tt-mlir without hardware, print the TTNN op "
+                    "histogram and the per-block collective bill, and check the bill against the design "
+                    "and the per-device token dims for tile alignment. Exit 1 when a check fails.")
+    c.add_argument("--mesh", default="8x4", help=f"mesh preset: {', '.join(PRESETS)} (default 8x4)")
+    c.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
+    c.add_argument("--latent", default=None, help="latent F,H,W instead of a resolution, e.g. 21,60,104")
+    c.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
+    c.add_argument("--blocks", type=int, default=None, help="transformer blocks (default: all of the variant's)")
+    c.add_argument("--size", choices=["full", "tiny"], default="full", help="real widths or the tiny test config")
+    c.add_argument("--arch", choices=archs, default="wormhole_b0")
+    add_padding(c, DEFAULT_PADDING)
+    add_dtype(c, "bf16")
+    c.add_argument("--batch", type=int, default=1)
+    c.add_argument("--no-anchor", action="store_true",
+                   help="drop the replicated constraint before each L-on-SP split (shows why it is there)")
+    c.add_argument("--out", default=None, help="folder for IRs, logs and report.json (default: a new temp folder, "
+                                                "kept so the printed IR paths stay readable)")
+    c.add_argument("--timeout", type=float, default=3600.0, help="seconds for both compiles (default 3600)")
+    c.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    c.add_argument("-v", "--verbose", action="store_true", help="echo the compiler log")
+    c.set_defaults(func=_cmd_compile)

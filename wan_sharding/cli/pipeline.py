@@ -1,0 +1,81 @@
+"""``generate`` and ``profile``: the sharded pipeline, end to end (the work: ``wan_sharding.jobs``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..jobs.generate import __doc__ as GENERATE_DOC
+from ..jobs.generate import run_generate
+from ..jobs.launch import UNSHARDED
+from ..jobs.profile import CPU_NOTE, PROFILE_LATENTS, WHAT, run_profile
+from ..jobs.profile import __doc__ as PROFILE_DOC
+from ..models import VARIANTS
+from ..options import CPU_BACKENDS, DEFAULT_PADDING
+from .args import add_dtype, add_mesh, add_padding
+
+
+def _params(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    run = run_generate(_params(args))
+    if not run.ok:
+        return run.returncode
+    return 0 if run.results[-1].get("pcc_ok", True) else 1
+
+
+def _profile(args: argparse.Namespace) -> int:
+    run = run_profile(_params(args), echo=not args.json)
+    if not run.ok:
+        if args.json:
+            print(run.output[-4000:], file=sys.stderr)
+        return run.returncode
+    if args.json:
+        print(json.dumps({"results": run.results, "note": CPU_NOTE}, indent=1))
+    return 0
+
+
+def add_subcommands(sub: Any) -> None:
+    """Add ``generate`` and ``profile``."""
+    g = sub.add_parser("generate", help="run a Wan 2.2 pipeline with both experts sharded; write the video",
+                       description=GENERATE_DOC.split("\n\n")[0])
+    add_mesh(g, "2x4")
+    g.add_argument("--backend", default="jax", choices=list(CPU_BACKENDS))
+    g.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
+                   help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
+    g.add_argument("--model", help="a local diffusers Wan 2.2 checkpoint directory (needs transformers)")
+    g.add_argument("--steps", type=int, default=4)
+    g.add_argument("--frames", type=int, help="video frames (default: 5 tiny, 81 with --model)")
+    g.add_argument("--height", type=int, help="pixels (default: 64 tiny A14B, 128 tiny TI2V, 480 with --model)")
+    g.add_argument("--width", type=int, help="pixels (default: 96 tiny A14B, 192 tiny TI2V, 832 with --model)")
+    add_padding(g, DEFAULT_PADDING)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt", default="a red fox running through fresh snow, golden hour")
+    g.add_argument("--negative-prompt", default="")
+    g.add_argument("--guidance-scale", type=float, default=4.0)
+    add_dtype(g, None, help="default: fp32 tiny, bf16 with --model")
+    g.add_argument("--out", default="results/generate", help="directory for the video and the JSON summary")
+    g.add_argument("--compare", action="store_true",
+                   help="also run it unsharded with the same seed and print the PCC of the final latents")
+    g.set_defaults(func=_generate)
+
+    p = sub.add_parser("profile", help="warm-iteration timing of the sharded DiT or denoising step",
+                       description=PROFILE_DOC.split("\n\n")[0])
+    add_mesh(p, "2x4", UNSHARDED, help=f"a preset, or '{UNSHARDED}' (one device, no TP/SP: the baseline)")
+    p.add_argument("--backend", default="jax", choices=list(CPU_BACKENDS))
+    p.add_argument("--what", nargs="+", default=["dit"], choices=list(WHAT),
+                   help="dit: one DiT forward; step: cond + uncond forward, CFG, scheduler step")
+    p.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)
+    p.add_argument("--warmup", type=int, default=2, help="warm-up iterations (the first compiles)")
+    p.add_argument("--iters", type=int, default=3, help="timed iterations")
+    add_padding(p, DEFAULT_PADDING)
+    p.add_argument("--resolution", default="small", choices=sorted(PROFILE_LATENTS),
+                   help="latent preset: tiny 3x10x14 (105 tokens), small 5x30x52 (1950 tokens)")
+    p.add_argument("--latent", help="latent shape F,H,W (overrides --resolution)")
+    add_dtype(p, "fp32")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_profile)

@@ -1,0 +1,293 @@
+"""Read a parsed TTNN module against the design: per-block collective bill, tile alignment, what
+padding costs.
+
+The parsing is :mod:`wan_sharding.compile.ttnn_ir`'s; this module interprets what it found:
+
+- the **per-block bill**: source locations in the TTNN text are Python call sites, not module
+  names, so collectives cannot be attributed to a block by reading one module. :func:`per_block_bill`
+  takes the difference of two compiles that differ only in the number of blocks;
+- the **design bill** (:func:`design_bill`, ``docs/design.md``) and how a measured bill departs
+  from it (:func:`bill_problems`);
+- **tile alignment** of the per-device token dims split over SP (:func:`tile_alignment`,
+  ``docs/tt-mlir-notes.md``);
+- **what padding costs**: op counts split into per block and once per forward (:func:`split_ops`),
+  and the padded graph against the same graph unpadded (:func:`padding_cost`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ..mesh import TILE, MeshSpec, as_mesh_spec
+from .ttnn_ir import Collective, TTNNModule
+
+# Ops that only move data (no arithmetic): what a padding mode may add.
+DATA_MOVEMENT_OPS = ("slice_static", "pad", "concat", "reshape", "permute", "repeat", "to_layout",
+                     "typecast", "where", "full", "rows_scatter", "embedding", "transpose")
+
+
+def axis_name(axis: int | None, names: tuple[str, ...] | None) -> str | None:
+    """The mesh axis name for a ``cluster_axis`` (``"axis<i>"`` when the names are not known)."""
+    if axis is None:
+        return None
+    return names[axis] if names is not None and axis < len(names) else f"axis{axis}"
+
+
+def _names(mesh: MeshSpec | str | None) -> tuple[str, ...] | None:
+    return as_mesh_spec(mesh).axis_names if mesh is not None else None
+
+
+# ------------------------------------------------------------------------------ per-block bill
+
+
+@dataclass(frozen=True)
+class BillEntry:
+    """One kind of collective a block issues: ``count`` of them per block, each ``bytes`` per device."""
+
+    kind: str
+    axis: str | None  # mesh axis name ("sp", "tp"), from cluster_axis
+    size: str  # "large" or "small"
+    count: float
+    payload: str  # per-device operand type, e.g. "1x4096x10x128xbf16"
+    bytes: int  # per device, of the result
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "axis": self.axis, "size": self.size, "count": self.count,
+                "payload": self.payload, "bytes": self.bytes}
+
+
+@dataclass
+class BlockBill:
+    """Collectives per transformer block, from two compiles of ``shallow`` and ``deep`` blocks.
+
+    ``irregular`` lists differences that are not a whole multiple of the block difference or that
+    shrink with depth: something other than the blocks changed between the two graphs.
+    """
+
+    entries: list[BillEntry]
+    blocks: tuple[int, int]
+    ops: dict[str, float] = field(default_factory=dict)  # every op name per block (deallocs skipped)
+    irregular: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, float]:
+        """``{collective kind: count per block}``, e.g. ``{'all_gather': 2, 'all_reduce': 7}``."""
+        out: Counter = Counter()
+        for e in self.entries:
+            out[e.kind] += e.count
+        return dict(out)
+
+    def by_class(self) -> dict[tuple[str, str, str | None], float]:
+        """``{(kind, size, axis): count per block}``: what :func:`bill_problems` compares."""
+        out: Counter = Counter()
+        for e in self.entries:
+            out[(e.kind, e.size, e.axis)] += e.count
+        return dict(out)
+
+    def totals(self) -> dict[str, float]:
+        """Large and small collectives per block: ``{'large': 5, 'small': 4}``."""
+        out: Counter = Counter({"large": 0, "small": 0})
+        for e in self.entries:
+            out[e.size] += e.count
+        return dict(out)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"blocks": list(self.blocks), "counts": self.counts(), "totals": self.totals(),
+                "entries": [e.to_json() for e in self.entries], "ops": self.ops, "irregular": self.irregular}
+
+
+def _whole(x: float, digits: int | None = None) -> float:
+    """``x`` as an int when it is whole, else as it is (rounded to ``digits`` when given)."""
+    if x == int(x):
+        return int(x)
+    return round(x, digits) if digits is not None else x
+
+
+def per_block_bill(shallow: TTNNModule, deep: TTNNModule, shallow_blocks: int, deep_blocks: int,
+                   mesh: MeshSpec | str | None = None) -> BlockBill:
+    """The collectives one block adds: (deep - shallow) / (deep_blocks - shallow_blocks).
+
+    Both modules must come from the same model, mesh, latent and padding with only the number of
+    blocks changed. Collectives are matched by kind, axis, dim and per-device types.
+    """
+    if deep_blocks == shallow_blocks:
+        raise ValueError("the two compiles need different block counts")
+    if deep_blocks < shallow_blocks:
+        shallow, deep, shallow_blocks, deep_blocks = deep, shallow, deep_blocks, shallow_blocks
+    n = deep_blocks - shallow_blocks
+    names = _names(mesh)
+    a = Counter(c.key() for c in shallow.collectives)
+    b = Counter(c.key() for c in deep.collectives)
+    sample = {c.key(): c for c in [*shallow.collectives, *deep.collectives]}
+    entries, irregular = [], []
+    for key in sorted(set(a) | set(b), key=str):
+        diff = b[key] - a[key]
+        c = sample[key]
+        what = f"{c.kind} {c.payload} on {axis_name(c.cluster_axis, names)}"
+        if diff < 0:
+            irregular.append(f"{what}: {a[key]} with {shallow_blocks} blocks but {b[key]} with {deep_blocks}")
+            continue
+        if diff == 0:
+            continue
+        if diff % n:
+            irregular.append(f"{what}: +{diff} over {n} blocks is not a whole number per block")
+        entries.append(BillEntry(c.kind, axis_name(c.cluster_axis, names), c.size, _whole(diff / n),
+                                 str(c.payload), c.bytes))
+    entries.sort(key=lambda e: (e.kind, e.size, -e.bytes))
+    ops = {}
+    for name in set(shallow.ops) | set(deep.ops):
+        if name == "deallocate":
+            continue
+        d = (deep.ops[name] - shallow.ops[name]) / n
+        if d:
+            ops[name] = _whole(d, 3)
+    return BlockBill(entries, (shallow_blocks, deep_blocks), dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+                     irregular)
+
+
+def bill_from_files(shallow_path: str | Path, deep_path: str | Path, shallow_blocks: int, deep_blocks: int,
+                    mesh: MeshSpec | str | None = None) -> BlockBill:
+    """:func:`per_block_bill` on two exported TTNN files."""
+    return per_block_bill(TTNNModule.from_file(shallow_path), TTNNModule.from_file(deep_path),
+                          shallow_blocks, deep_blocks, mesh)
+
+
+def design_bill(mesh: MeshSpec | str) -> dict[tuple[str, str, str | None], int]:
+    """The design's per-block bill (``docs/design.md``) as ``{(kind, size, axis): count}``.
+
+    TP all-reduces after attn1.to_out, attn2.to_out and ffn.net[2] (3 large) and the RMSNorm stats
+    all-reduces of norm_q / norm_k in both attentions (4 small); with SP > 1 also the all-gathers
+    of self-attention K and V over SP (2 large): 3 large + 4 small on 1x4, 5 large + 4 small on
+    2x4 and 8x4.
+    """
+    m = as_mesh_spec(mesh)
+    bill: dict[tuple[str, str, str | None], int] = {}
+    if m.tp > 1:
+        bill[("all_reduce", "large", m.tp_axis)] = 3
+        bill[("all_reduce", "small", m.tp_axis)] = 4
+    if m.sp > 1:
+        bill[("all_gather", "large", m.sp_axis)] = 2
+    return bill
+
+
+def bill_problems(bill: BlockBill, mesh: MeshSpec | str) -> list[str]:
+    """Differences between a measured bill and :func:`design_bill`; empty when they agree."""
+    want = design_bill(mesh)
+    got = bill.by_class()
+    problems = list(bill.irregular)
+    for key in sorted(set(want) | set(got), key=str):
+        w, g = want.get(key, 0), got.get(key, 0)
+        if w != g:
+            kind, size, axis = key
+            problems.append(f"{size} {kind} over {axis}: {g:g} per block, design says {w}")
+    return problems
+
+
+def bill_ok(bill: BlockBill, mesh: MeshSpec | str) -> bool:
+    """True when the measured per-block bill is exactly the design's."""
+    return not bill_problems(bill, mesh)
+
+
+def collective_table(module: TTNNModule, mesh: MeshSpec | str | None = None) -> list[dict[str, Any]]:
+    """All collectives of a module grouped by kind, axis and per-device types, with counts."""
+    names = _names(mesh)
+    groups: dict[tuple, list[Collective]] = {}
+    for c in module.collectives:
+        groups.setdefault(c.key(), []).append(c)
+    rows = []
+    for cs in groups.values():
+        c = cs[0]
+        rows.append({"kind": c.kind, "axis": axis_name(c.cluster_axis, names), "size": c.size, "count": len(cs),
+                     "payload": str(c.payload), "result": str(c.result), "bytes": c.bytes})
+    rows.sort(key=lambda r: (r["kind"], -r["count"], -r["bytes"]))
+    return rows
+
+
+# ------------------------------------------------------------------------------ tile alignment
+
+
+@dataclass(frozen=True)
+class TokenDim:
+    """A per-device token count where the IR splits or gathers the token dim over SP."""
+
+    op: str
+    size: int
+    line: int
+
+    @property
+    def aligned(self) -> bool:
+        return self.size % TILE == 0
+
+
+def sp_token_dims(module: TTNNModule, mesh: MeshSpec | str) -> list[TokenDim]:
+    """Per-device token dims of the SP-sharded tensors, read where they meet a collective over SP:
+    the result of each ``mesh_partition`` (the scatter of ``(B, L, D)`` and the rope tables), the
+    operand of each ``all_gather`` (K, V, the exit gather) and the result of each
+    ``reduce_scatter``. Empty when the mesh has no SP axis larger than 1."""
+    m = as_mesh_spec(mesh)
+    if m.sp <= 1:
+        return []
+    sp_index = m.axis_names.index(m.sp_axis)
+    out = []
+    for c in module.collectives:
+        if c.cluster_axis != sp_index or c.dim is None:
+            continue
+        if c.kind in ("mesh_partition", "reduce_scatter"):
+            out.append(TokenDim(c.kind, c.result.shape[c.dim], c.line))
+        elif c.kind == "all_gather" and c.operand is not None:
+            out.append(TokenDim(c.kind, c.operand.shape[c.dim], c.line))
+    return out
+
+
+def tile_alignment(module: TTNNModule, mesh: MeshSpec | str) -> dict[str, Any]:
+    """``{'aligned': bool, 'token_dims': sorted sizes, 'misaligned': [...], 'checked': n}``.
+
+    On hardware the SP scatter needs whole 32-row tiles per device (unpadded 720p is rejected on a
+    Galaxy; ``docs/tt-mlir-notes.md``); compile-only tt-mlir accepts any size, so this is the check
+    that stands in for it. Vacuously aligned when nothing is split over SP (SP = 1).
+    """
+    dims = sp_token_dims(module, mesh)
+    bad = [d for d in dims if not d.aligned]
+    return {
+        "aligned": not bad,
+        "token_dims": sorted({d.size for d in dims}),
+        "misaligned": [f"{d.op} at line {d.line}: {d.size} tokens per device ({d.size % TILE} past a tile)"
+                       for d in bad],
+        "checked": len(dims),
+    }
+
+
+# --------------------------------------------------------------------------- what padding costs
+
+
+def split_ops(shallow: TTNNModule, deep: TTNNModule, shallow_blocks: int, deep_blocks: int,
+              skip: Iterable[str] = ("deallocate",)) -> tuple[dict[str, float], dict[str, float]]:
+    """``(per_block, per_forward)`` op counts: per block from the difference of two depths, per
+    forward what the shallow graph has beyond its blocks. Deallocations are left out."""
+    drop, n = set(skip), deep_blocks - shallow_blocks
+    per_block, per_forward = {}, {}
+    for name in (set(shallow.ops) | set(deep.ops)) - drop:
+        b = (deep.ops[name] - shallow.ops[name]) / n
+        f = shallow.ops[name] - shallow_blocks * b
+        if b:
+            per_block[name] = _whole(b, 3)
+        if f:
+            per_forward[name] = _whole(f, 3)
+    return per_block, per_forward
+
+
+def _minus(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    out = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: -abs(kv[1])) if v}
+
+
+def padding_cost(padded: tuple[TTNNModule, TTNNModule], unpadded: tuple[TTNNModule, TTNNModule],
+                 blocks: tuple[int, int]) -> dict[str, dict[str, float]]:
+    """Ops present only because of padding: the padded graph against the same graph unpadded, each
+    compiled at the two depths ``blocks`` (shallow, deep). Per-block and per-forward op-count
+    differences; a negative count is an op the padded graph has fewer of."""
+    pb_pad, pf_pad = split_ops(*padded, *blocks)
+    pb_raw, pf_raw = split_ops(*unpadded, *blocks)
+    return {"per_block": _minus(pb_pad, pb_raw), "per_forward": _minus(pf_pad, pf_raw)}

@@ -1,0 +1,220 @@
+"""What to compile and what a compile gave: :class:`CompileRequest`, :class:`CompileResult`.
+
+Plain data, shared by the caller (:mod:`wan_sharding.compile.runner`) and the worker
+(:mod:`wan_sharding.compile.worker`): a request crosses the process boundary as JSON
+(:meth:`CompileRequest.to_json` / :meth:`CompileRequest.from_json`), a result comes back as one
+``RESULT`` line. Names follow ``wan_sharding.options``: dtypes ``fp32`` / ``bf16``, padding modes
+``mask`` / ``slice`` / ``none`` (default :data:`~wan_sharding.options.DEFAULT_PADDING`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..mesh import MeshError, MeshSpec, mesh_from_preset
+from ..models import FULL_CONFIGS, RESOLUTIONS, LatentShape, config_for
+from ..options import DEFAULT_PADDING, DTYPES, PADDING_NAMES, dtype_name
+from ..plan import ShardingPlan
+
+# dtypes of the timestep input, as ``jax.numpy`` names them.
+TIMESTEP_DTYPES = ("float32", "bfloat16")
+
+
+class CompileError(RuntimeError):
+    """The compile could not be set up (plugin missing, bad descriptor, bad request) or the
+    worker process failed in a way that left no result."""
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """One compile of a (possibly shortened) Wan DiT for one mesh and latent shape.
+
+    Attributes:
+        variant: ``"t2v-a14b"``, ``"i2v-a14b"`` or ``"ti2v-5b"``.
+        mesh: mesh preset (``"1x4"``, ``"2x4"``, ``"8x4"``, ...).
+        latent: latent video (frames, height, width); :func:`latent_for` turns a resolution
+            name into one.
+        blocks: number of transformer blocks (``num_layers``); ``None`` keeps the variant's own.
+        size: ``"full"`` (real widths) or ``"tiny"`` (the test configs).
+        padding: SP padding mode, ``"mask"`` (the default), ``"slice"`` or ``"none"``.
+        anchor: keep the replicated constraint in front of each L-on-SP split (the tt-mlir
+            workaround, ``docs/tt-mlir-notes.md``). ``False`` only exists to show the workaround is
+            still needed.
+        dtype: ``"bf16"`` (weights and activations as ``from_pretrained(torch_dtype=bf16)`` loads
+            them: the modules diffusers keeps in fp32 stay fp32) or ``"fp32"``. Aliases
+            (``"f32"``, ``"float32"``, ``"bfloat16"``, a ``torch.dtype``) are normalised.
+        timestep_dtype: dtype of the timestep input (``float32``, as the pipelines pass it).
+        batch: batch size.
+        resolution: display name of ``latent`` (e.g. ``"480p"``); informational.
+        out_dir: where the compiler writes its IRs; a fresh temporary folder when ``None``.
+        plan: a whole :class:`~wan_sharding.plan.ShardingPlan` (axes and order of SP / TP, FSDP,
+            activation layout, padding). When given, the model is sharded through the ordinary
+            API with it (``shard_dit_specs(dit, plan)``, ``apply_dit_sp_activation_sharding(...,
+            plan=plan)``); ``mesh`` must then be the plan's mesh name and ``padding`` its padding
+            (:meth:`for_plan` fills both). ``None``: the preset's default roles (SP on the first
+            axis, TP on the second).
+    """
+
+    variant: str = "t2v-a14b"
+    mesh: str = "8x4"
+    latent: tuple[int, int, int] = (21, 60, 104)
+    blocks: int | None = None
+    size: str = "full"
+    padding: str = DEFAULT_PADDING
+    anchor: bool = True
+    dtype: str = "bf16"
+    timestep_dtype: str = "float32"
+    batch: int = 1
+    resolution: str | None = None
+    out_dir: str | None = None
+    plan: ShardingPlan | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        except ValueError:
+            pass  # left as given: validate() names the choices
+
+    @classmethod
+    def for_plan(cls, plan: ShardingPlan, **fields: Any) -> "CompileRequest":
+        """A request that compiles the DiT sharded by ``plan`` (its mesh and padding filled in)."""
+        return cls(mesh=plan.mesh().name, padding=plan.padding, plan=plan, **fields)
+
+    def mesh_spec(self) -> MeshSpec:
+        """The mesh with its roles: the plan's when there is one, else the preset's."""
+        if self.plan is not None:
+            return self.plan.mesh()
+        return mesh_from_preset(self.mesh)
+
+    def validate(self) -> "CompileRequest":
+        """Check every field before a subprocess is started; returns ``self``."""
+        config_for(self.variant, self.size)  # unknown variant / size -> ValueError
+        if self.plan is not None:
+            if not isinstance(self.plan, ShardingPlan):
+                raise CompileError(f"plan must be a ShardingPlan, got {type(self.plan).__name__}")
+            try:
+                name = self.plan.mesh().name
+            except MeshError as e:
+                raise CompileError(f"bad plan {self.plan}: {e}") from None
+            if name != self.mesh:
+                raise CompileError(f"request mesh {self.mesh!r} is not the plan's mesh {name!r}; "
+                                   "build the request with CompileRequest.for_plan(plan, ...)")
+            if self.plan.padding != self.padding:
+                raise CompileError(f"request padding {self.padding!r} is not the plan's {self.plan.padding!r}; "
+                                   "build the request with CompileRequest.for_plan(plan, ...)")
+        else:
+            try:
+                mesh_from_preset(self.mesh)
+            except MeshError as e:
+                raise CompileError(str(e)) from None
+        if len(self.latent) != 3 or any(int(v) < 1 for v in self.latent):
+            raise CompileError(f"latent must be (frames, height, width) with positive sizes, got {self.latent}")
+        patch = FULL_CONFIGS[self.variant]["patch_size"]
+        if any(int(v) % p for v, p in zip(self.latent, patch)):
+            raise CompileError(f"latent {self.latent} is not divisible by the patch size {patch}")
+        if self.blocks is not None and self.blocks < 1:
+            raise CompileError(f"blocks must be >= 1, got {self.blocks}")
+        if self.padding not in PADDING_NAMES:
+            raise CompileError(f"unknown padding {self.padding!r}; choose one of {sorted(PADDING_NAMES)}")
+        if self.dtype not in DTYPES:
+            raise CompileError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
+        if self.timestep_dtype not in TIMESTEP_DTYPES:
+            raise CompileError(f"unknown timestep dtype {self.timestep_dtype!r}; choose one of {TIMESTEP_DTYPES}")
+        if self.batch < 1:
+            raise CompileError(f"batch must be >= 1, got {self.batch}")
+        return self
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh_spec().num_devices
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks if self.blocks is not None else config_for(self.variant, self.size)["num_layers"]
+
+    @property
+    def tokens(self) -> int:
+        """Flat token count L (patchified latent), before padding."""
+        return LatentShape(*self.latent).tokens(tuple(config_for(self.variant, self.size)["patch_size"]))
+
+    def label(self) -> str:
+        lat = self.resolution or "x".join(map(str, self.latent))
+        extra = "" if self.anchor else " no-anchor"
+        if self.plan is not None:
+            return f"{self.variant}/{self.size} {self.num_blocks}blk {lat} plan [{self.plan.name}]{extra}"
+        return f"{self.variant}/{self.size} {self.num_blocks}blk {self.mesh} {lat} pad={self.padding}{extra}"
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["latent"] = list(self.latent)
+        d["plan"] = None if self.plan is None else self.plan.to_dict()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "CompileRequest":
+        d = dict(d)
+        d["latent"] = tuple(int(v) for v in d["latent"])
+        if d.get("plan") is not None:
+            d["plan"] = ShardingPlan.from_dict(d["plan"])
+        return cls(**d)
+
+
+def latent_for(resolution: str | None = None, latent: str | Sequence[int] | None = None) -> tuple[int, int, int]:
+    """(frames, height, width) from a resolution name (``"480p"``, ``"720p"``, ``"704p"``) or an
+    explicit ``"F,H,W"`` string / sequence (which wins when both are given)."""
+    if latent is not None:
+        parts = latent.replace("x", ",").split(",") if isinstance(latent, str) else list(latent)
+        try:
+            vals = tuple(int(p) for p in parts)
+        except ValueError:
+            raise CompileError(f"latent must be F,H,W integers, got {latent!r}") from None
+        if len(vals) != 3:
+            raise CompileError(f"latent must have three sizes F,H,W, got {latent!r}")
+        return vals  # type: ignore[return-value]
+    if resolution is None:
+        raise CompileError("give a resolution (480p, 720p, 704p) or a latent F,H,W")
+    if resolution not in RESOLUTIONS:
+        raise CompileError(
+            f"unknown resolution {resolution!r}; known: {', '.join(RESOLUTIONS)} (or pass a latent F,H,W)")
+    r = RESOLUTIONS[resolution]
+    return (r.frames, r.height, r.width)
+
+
+@dataclass
+class CompileResult:
+    """What one compile produced. ``ok`` is False when tt-mlir rejected the graph; ``error`` then
+    holds the exception text and ``diagnostics`` the compiler's error lines from the log."""
+
+    request: CompileRequest
+    ok: bool
+    error: str | None = None
+    diagnostics: list[str] = field(default_factory=list)
+    lower_seconds: float | None = None
+    compile_seconds: float | None = None
+    total_seconds: float | None = None  # build + trace + lower + compile, without process start-up
+    out_dir: str | None = None
+    ttnn_path: str | None = None
+    ttir_path: str | None = None
+    tokens: int | None = None
+    padded_tokens: int | None = None
+    sp_points: list[str] = field(default_factory=list)  # what the SP hooks constrained
+    rss_mb: float | None = None
+    log: str = ""  # this request's slice of the worker log
+
+    @property
+    def failure_text(self) -> str:
+        """Everything that can explain a failure, for matching in tests and reports."""
+        return "\n".join([self.error or "", *self.diagnostics, self.log])
+
+    def ttnn_text(self) -> str:
+        if not self.ttnn_path:
+            raise CompileError(f"{self.request.label()}: no TTNN IR (compile ok={self.ok}): {self.error}")
+        return Path(self.ttnn_path).read_text()
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("request", "log")}
+        d["request"] = self.request.to_json()
+        return d

@@ -1,0 +1,130 @@
+"""The PCC check: the sharded DiT against the unsharded one, on CPU virtual meshes.
+
+One worker runs one backend on one mesh (torch-xla and JAX both read ``XLA_FLAGS`` and must not
+share a process). :func:`run_in_subprocess` starts ``python -m wan_sharding.jobs.check``; the
+worker emits one result per case and, with ``save``, writes the reference and sharded outputs so a
+caller can compute its own comparison.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..options import DEFAULT_PADDING
+from ..workers import WorkerError, run_worker, worker_main
+from .launch import prepare_worker, worker_env
+from .pcc import PCC_THRESHOLDS, compare
+
+# Latent shapes of the embedded tiny cases. ``aligned``: 256 tokens, a multiple of SP*32 for every
+# preset up to SP 8. ``padded``: 105 tokens, padded to 128 (SP 1, 2) or 256 (SP 8).
+CASE_LATENTS = {"aligned": (1, 32, 32), "padded": (3, 10, 14)}
+
+
+@dataclass(frozen=True)
+class Case:
+    variant: str = "t2v-a14b"
+    length: str = "padded"  # a key of CASE_LATENTS, or "F,H,W"
+    dtype: str = "fp32"
+    padding: str = DEFAULT_PADDING
+
+    @property
+    def key(self) -> str:
+        return f"{self.variant}-{self.length}-{self.dtype}-{self.padding}"
+
+    def latent(self):
+        from ..models import LatentShape
+
+        dims = CASE_LATENTS.get(self.length) or tuple(int(v) for v in self.length.split(","))
+        return LatentShape(*dims)
+
+    @classmethod
+    def parse(cls, text: str) -> "Case":
+        variant, length, dtype, padding = text.split(":")
+        return cls(variant, length, dtype, padding)
+
+    def __str__(self) -> str:
+        return f"{self.variant}:{self.length}:{self.dtype}:{self.padding}"
+
+
+# ------------------------------------------------------------------------------------ parent side
+
+
+def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path | None = None,
+                      timeout: float = 1200) -> list[dict[str, Any]]:
+    """Run ``cases`` for one backend on one mesh in a fresh process; returns the result dicts,
+    each with ``ok``: PCC at or above the dtype's threshold."""
+    from ..mesh import mesh_from_preset
+
+    params = {"backend": backend, "mesh": mesh, "cases": [str(c) for c in cases],
+              "save": None if save is None else str(save)}
+    run = run_worker("wan_sharding.jobs.check", params, worker_env(backend, mesh_from_preset(mesh).num_devices),
+                     label=f"{backend} check worker on {mesh}", timeout=timeout)
+    if not run.ok:
+        raise WorkerError(f"{backend} worker on {mesh} failed (exit {run.returncode}):\n{run.output[-4000:]}")
+    for r in run.results:
+        r["ok"] = r["pcc"] >= PCC_THRESHOLDS[r["dtype"]]
+    return run.results
+
+
+# ------------------------------------------------------------------------------------ worker side
+
+
+def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = None) -> dict[str, Any]:
+    """Build the tiny DiT, run it unsharded and sharded on this process's devices, compare."""
+    import torch
+
+    from .. import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
+    from ..models import build_dit, dit_inputs
+    from ..options import torch_dtype
+
+    dtype = torch_dtype(case.dtype)
+    dit = build_dit(case.variant, "tiny", dtype=dtype)
+    inputs = dit_inputs(case.variant, case.latent(), dtype=dtype)
+    with torch.no_grad():
+        reference = dit(**inputs, return_dict=False)[0]
+
+    start = time.perf_counter()
+    sharded = copy.deepcopy(dit)  # the xla backend moves the model to the device
+    backend = get_backend(backend_name, mesh_name)
+    specs = shard_dit_specs(sharded, backend.mesh)
+    placed = backend.place(sharded, specs)
+    handle = apply_dit_sp_activation_sharding(sharded, backend.mesh, backend=backend, padding=case.padding)
+    with torch.no_grad():
+        # Compile once and run that program, so the collectives are read off what ran.
+        program = backend.compile(sharded, placed, **inputs)
+        out = backend.to_host(program())
+        collectives = backend.collective_counts(program)
+    seconds = time.perf_counter() - start
+    info = handle.describe()
+    handle.remove()
+
+    value, max_abs = compare(reference, out)
+    result = {
+        "backend": backend_name, "mesh": mesh_name, "case": str(case), **asdict(case),
+        "shape": list(out.shape), "pcc": value, "max_abs": max_abs, "seconds": round(seconds, 2),
+        "params": specs.counts(), "tokens": info["last_tokens"], "padded_tokens": info["last_padded_tokens"],
+        "sp_points": len(info["sp_points"]),
+        "collectives": collectives,
+    }
+    if save is not None:
+        save.mkdir(parents=True, exist_ok=True)
+        path = save / f"{backend_name}-{mesh_name}-{case.key}.pt"
+        torch.save({"reference": reference, "sharded": out}, path)
+        result["saved"] = str(path)
+    return result
+
+
+def _job(params: dict[str, Any]):
+    prepare_worker(params["backend"])
+    save = Path(params["save"]) if params.get("save") else None
+    for text in params["cases"]:
+        yield run_case(params["backend"], params["mesh"], Case.parse(text), save)
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(_job))

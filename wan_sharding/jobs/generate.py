@@ -1,0 +1,199 @@
+"""``generate``: a Wan 2.2 pipeline with both experts sharded, end to end; and the pipeline PCC.
+
+- :func:`run_generate`: the tiny offline pipeline (or a local checkpoint) with every expert
+  sharded by :func:`wan_sharding.pipeline.shard_pipeline`, a few denoising steps through the
+  pipeline's own ``__call__``, the video (GIF, or MP4 with ``imageio-ffmpeg``) and a JSON summary.
+  With ``compare`` the same pipeline first runs unsharded with the same seed and the final latents
+  are compared.
+- :func:`compare_in_subprocess`: for tests and scripts: sharded vs unsharded latents per mesh,
+  and whether ``remove()`` restored the pipeline exactly.
+
+The pipeline runs in a worker (``python -m wan_sharding.jobs.generate``) with the backend's
+environment; its progress bar goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..mesh import mesh_from_preset
+from ..options import DEFAULT_PADDING, torch_dtype
+from ..workers import WorkerError, WorkerRun, atomic_write, emit, run_worker, worker_main
+from .launch import mesh_arg, num_devices, prepare_worker, worker_env
+from .pcc import PIPELINE_PCC_THRESHOLDS, compare
+
+WORKER = "wan_sharding.jobs.generate"
+
+
+# ------------------------------------------------------------------------------------ parent side
+
+
+def run_generate(params: dict[str, Any], echo: bool = True) -> WorkerRun:
+    """Run one ``generate`` (``params``: the command's options) in a worker; its lines are printed
+    as they come when ``echo``."""
+    return run_worker(WORKER, {"kind": "generate", **params}, worker_env(params["backend"], num_devices([params["mesh"]])),
+                      label=f"{params['backend']} worker (generate)", echo=echo)
+
+
+def compare_in_subprocess(backend: str, meshes: list[str], variant: str = "t2v-a14b", steps: int = 2,
+                          padding: str = DEFAULT_PADDING, dtype: str = "fp32", seed: int = 0,
+                          timeout: float = 900) -> list[dict[str, Any]]:
+    """Sharded vs unsharded pipeline latents for each mesh, in one worker process (JAX runs every
+    mesh on a subset of one process's devices; torch-xla needs one process per mesh size).
+    Each result also says whether ``remove()`` restored the pipeline exactly."""
+    if backend == "xla" and len({mesh_from_preset(m).num_devices for m in meshes}) > 1:
+        raise ValueError("the xla backend runs one device count per process; call once per mesh")
+    params = dict(kind="compare", meshes=meshes, variant=variant, steps=steps, padding=padding, dtype=dtype,
+                  seed=seed, backend=backend)
+    run = run_worker(WORKER, params, worker_env(backend, num_devices(meshes)), label=f"{backend} worker (compare)",
+                     timeout=timeout)
+    if not run.ok:
+        raise WorkerError(f"{backend} compare worker failed (exit {run.returncode}):\n{run.output[-4000:]}")
+    return run.results
+
+
+# ------------------------------------------------------------------------------------ worker side
+
+
+def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
+    from ..pipeline import shard_pipeline, write_video
+    from ..pipeline.tiny import build_tiny_pipeline, call_kwargs, load_pipeline, pipeline_variant
+
+    t0 = time.perf_counter()
+    tiny = not p.get("model")
+    dtype_name = p.get("dtype") or ("fp32" if tiny else "bf16")
+    dtype = torch_dtype(dtype_name)
+    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=dtype) if tiny else load_pipeline(p["model"], dtype)
+    variant = p["variant"] if tiny else pipeline_variant(pipe)
+    build_s = time.perf_counter() - t0
+
+    def kwargs() -> dict[str, Any]:  # fresh generator each call: same seed, same noise
+        return call_kwargs(pipe, prompt=p["prompt"], negative_prompt=p["negative_prompt"], frames=p["frames"],
+                           height=p["height"], width=p["width"], steps=p["steps"],
+                           guidance_scale=p["guidance_scale"], seed=p["seed"], tiny=tiny, variant=variant)
+
+    req = kwargs()
+    print(f"generate {variant} ({'tiny random weights' if tiny else p['model']}, {dtype_name}) on "
+          f"{p['backend']} {p['mesh']}, padding {p['padding']}: {p['steps']} steps, {req['num_frames']} frames "
+          f"{req['height']}x{req['width']}", flush=True)
+    result: dict[str, Any] = {"variant": variant, "model": p.get("model") or "tiny", "dtype": dtype_name,
+                              "backend": p["backend"], "mesh": p["mesh"], "padding": p["padding"],
+                              "steps": p["steps"], "seed": p["seed"], "frames": req["num_frames"],
+                              "height": req["height"], "width": req["width"], "build_seconds": round(build_s, 3)}
+    reference = None
+    if p["compare"]:
+        t = time.perf_counter()
+        reference = pipe(**kwargs(), output_type="latent").frames
+        result["unsharded_seconds"] = round(time.perf_counter() - t, 3)
+        print(f"  unsharded reference run: {result['unsharded_seconds']:.2f} s", flush=True)
+
+    t = time.perf_counter()
+    handle = shard_pipeline(pipe, mesh_arg(p["backend"], p["mesh"]), backend=p["backend"], padding=p["padding"])
+    result["shard_seconds"] = round(time.perf_counter() - t, 3)
+    marks: list[float] = []
+    final: dict[str, torch.Tensor] = {}
+
+    def on_step(_pipe, i, _t, cb):
+        marks.append(time.perf_counter())
+        final["latents"] = cb["latents"]
+        return {}
+
+    try:
+        start = time.perf_counter()
+        out = pipe(**kwargs(), output_type="np", callback_on_step_end=on_step)
+        end = time.perf_counter()
+        info = handle.describe()
+    finally:
+        handle.remove()
+    frames = out.frames[0]
+    steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
+    latents = final["latents"]
+    stem = Path(p["out"]) / f"{variant}-{p['backend']}-{p['mesh']}-{p['padding']}"
+    video = write_video(frames, stem)
+    expert = next(iter(info["experts"].values()))
+    result.update(
+        experts=list(info["experts"]), params=expert["params"], sp_points=len(expert.get("sp_points", [])),
+        forwards={n: e["forwards"] for n, e in info["experts"].items()},
+        latent_shape=list(latents.shape), video_shape=list(frames.shape),
+        tokens=expert.get("last_tokens"), padded_tokens=expert.get("last_padded_tokens"),
+        seconds=round(end - start, 3), step_seconds=[round(s, 3) for s in steps_s],
+        decode_seconds=round(end - marks[-1], 3), output=str(video), summary=str(stem.with_suffix(".json")),
+    )
+    tok = result["tokens"]
+    pad = f" -> {result['padded_tokens']} padded" if result["padded_tokens"] != tok else ""
+    c = result["params"]
+    print(f"  sharded {', '.join(result['experts'])}: params col/row/norm/rep "
+          f"{c['colwise']}/{c['rowwise']}/{c['norm_colwise']}/{c['replicate']}, {tok} tokens{pad}", flush=True)
+    print(f"  denoising: {len(steps_s)} steps, seconds per step {', '.join(f'{s:.2f}' for s in steps_s)} "
+          "(an expert's first step compiles); VAE decode "
+          f"{result['decode_seconds']:.2f} s; total {result['seconds']:.2f} s", flush=True)
+    if reference is not None:
+        value, max_abs = compare(reference, latents)
+        threshold = PIPELINE_PCC_THRESHOLDS[dtype_name]
+        result.update(pcc=value, max_abs=max_abs, pcc_threshold=threshold, pcc_ok=value >= threshold)
+        print(f"  compare: final latents sharded vs unsharded PCC {value:.9f}, max|diff| {max_abs:.2e} "
+              f"({'ok' if result['pcc_ok'] else 'BELOW'} threshold {threshold})", flush=True)
+    atomic_write(result["summary"], json.dumps(result, indent=1) + "\n")
+    print(f"  video: {video}  summary: {result['summary']}", flush=True)
+    return [result]
+
+
+def _compare(p: dict[str, Any]) -> list[dict[str, Any]]:
+    """One pipeline, its unsharded latents, then per mesh: shard, run, compare, remove, and check
+    the pipeline is exactly as before. Results are emitted as each mesh finishes."""
+    import torch
+
+    from ..pipeline import shard_pipeline
+    from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
+
+    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]))
+    kwargs = lambda: call_kwargs(pipe, steps=p["steps"], seed=p["seed"])  # noqa: E731
+    originals = {n: getattr(pipe, n) for n in ("transformer", "transformer_2")}
+    params = {n: [id(t) for t in m.parameters()] for n, m in originals.items() if m is not None}
+    config = dict(pipe.config)
+    reference = pipe(**kwargs(), output_type="latent").frames
+    for mesh in p["meshes"]:
+        t = time.perf_counter()
+        handle = shard_pipeline(pipe, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
+        swapped = {n: type(getattr(pipe, n)).__name__ for n in originals if originals[n] is not None}
+        try:
+            out = pipe(**kwargs(), output_type="latent").frames
+            info = handle.describe()
+        finally:
+            handle.remove()
+        seconds = time.perf_counter() - t
+        after = pipe(**kwargs(), output_type="latent").frames
+        value, max_abs = compare(reference, out)
+        expert = next(iter(info["experts"].values()))
+        emit({
+            "backend": p["backend"], "mesh": mesh, "variant": p["variant"], "padding": p["padding"],
+            "steps": p["steps"], "dtype": p["dtype"], "pcc": value, "max_abs": max_abs,
+            "shape": list(out.shape), "tokens": expert.get("last_tokens"),
+            "padded_tokens": expert.get("last_padded_tokens"), "experts": list(info["experts"]), "swapped": swapped,
+            "forwards": {n: e["forwards"] for n, e in info["experts"].items()},
+            "seconds": round(seconds, 2),
+            "restored_objects": all(getattr(pipe, n) is m for n, m in originals.items()),
+            "restored_params": all([id(t) for t in getattr(pipe, n).parameters()] == ids for n, ids in params.items()),
+            "restored_config": dict(pipe.config) == config,
+            "bit_identical_after_remove": bool(torch.equal(after, reference)),
+            "device_after_remove": str(pipe.device),
+        })
+    return []
+
+
+def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
+    prepare_worker(params["backend"])
+    return {"generate": _generate, "compare": _compare}[params["kind"]](params)
+
+
+if __name__ == "__main__":
+    from ..pipeline.tiny import PipelineUnavailable
+    from ..specs import ShardingError
+
+    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable)))

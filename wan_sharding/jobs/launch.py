@@ -1,0 +1,60 @@
+"""What every job worker needs: its environment (parent side), its stack and its mesh (worker side)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..mesh import mesh_from_preset
+
+UNSHARDED = "unsharded"  # the one-device baseline a profile compares against
+
+
+def num_devices(meshes: Iterable[str]) -> int:
+    """CPU devices one worker needs to run every mesh in ``meshes``."""
+    return max(1 if m == UNSHARDED else mesh_from_preset(m).num_devices for m in meshes)
+
+
+def worker_env(backend: str, devices: int) -> dict[str, str]:
+    """The environment a worker process needs to run ``backend`` on ``devices`` CPU devices."""
+    from ..backends import backend_class
+
+    env = backend_class(backend).cpu_env(devices)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # diffusers' Wan pipeline modules import transformers and (when installed) torch_xla, in a
+    # JAX worker too: say which torch-xla device to use and keep their import noise down.
+    env.setdefault("PJRT_DEVICE", "CPU")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
+    # Make the package importable in the child even when run from a source checkout.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def prepare_worker(backend: str) -> None:
+    """First thing in a worker: start the backend's stack the way the package needs it."""
+    if backend in ("xla", "tt"):
+        from ..backends.xla import enable_spmd
+
+        enable_spmd()
+    else:  # keep torch-xla's runtime out of a JAX process (diffusers' Wan loop would start it)
+        from ..pipeline.shard import diffusers_without_torch_xla
+
+        diffusers_without_torch_xla()
+
+
+def mesh_arg(backend: str, name: str) -> Any:
+    """The mesh to shard on: the preset name, or (JAX, when the process has more devices) a JAX
+    mesh over the first devices, so one process can try several meshes."""
+    spec = mesh_from_preset(name)
+    if backend == "jax":
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh
+
+        devices = jax.devices()
+        if len(devices) > spec.num_devices:
+            return Mesh(np.array(devices[: spec.num_devices]).reshape(spec.shape), spec.axis_names)
+    return name

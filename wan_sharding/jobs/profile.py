@@ -1,0 +1,158 @@
+"""``profile``: warm-iteration timing of the sharded DiT or of a whole denoising step.
+
+The protocol: ``warmup`` iterations (the first compiles), then ``iters`` timed iterations, each a
+forward plus the copy to the host; median / min / max reported, compile time apart. ``dit`` is one
+DiT forward; ``step`` a denoising step as the Wan pipelines do it (cond + uncond forward, CFG,
+scheduler step). The mesh ``unsharded`` is the baseline: the same backend on one device,
+replicated weights, no SP hooks. Runs in a worker (``python -m wan_sharding.jobs.profile``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from ..workers import WorkerRun, run_worker, worker_main
+from .launch import UNSHARDED, mesh_arg, num_devices, prepare_worker, worker_env
+
+CPU_NOTE = "CPU virtual devices: timings compare configurations on this host; they are not hardware predictions"
+# Profile latents (F, H, W): "tiny" is the check's padded case (105 tokens); "small" 1950 tokens.
+PROFILE_LATENTS = {"tiny": (3, 10, 14), "small": (5, 30, 52)}
+WHAT = ("dit", "step")
+
+
+# ------------------------------------------------------------------------------------ parent side
+
+
+def run_profile(params: dict[str, Any], echo: bool = True, timeout: float | None = None) -> WorkerRun:
+    """Run one profile (``params``: the command's options) in a worker; one result per ``what``."""
+    return run_worker("wan_sharding.jobs.profile", params,
+                      worker_env(params["backend"], num_devices([params["mesh"]])),
+                      label=f"{params['backend']} worker (profile)", echo=echo, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------ worker side
+
+
+def _cpu_snapshot() -> tuple[float, float, float] | None:
+    """(host busy CPU seconds, this process's CPU seconds, wall seconds); None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(v[:3]) + sum(v[5:8])  # user nice system (idle iowait) irq softirq steal
+    t = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.perf_counter()
+
+
+def _others_share(before, after) -> float | None:
+    """Share of the host's CPU capacity used by *other* processes between two snapshots: they
+    skew CPU timings, so the result says how busy the host was."""
+    if before is None or after is None or after[2] <= before[2]:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return round(max(others, 0.0) / ((after[2] - before[2]) * (os.cpu_count() or 1)), 3)
+
+
+def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
+    from .. import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
+    from ..mesh import MeshSpec
+    from ..models import PER_TOKEN_TIMESTEPS, LatentShape, build_dit, dit_inputs
+    from ..options import torch_dtype
+    from ..pipeline import ShardedTransformer
+    from ..pipeline.tiny import flow_scheduler, prompt_embeddings
+    from ..specs import replicated_specs
+
+    dtype = torch_dtype(p["dtype"])
+    latent = LatentShape(*(int(v) for v in p["latent"].split(","))) if p.get("latent") \
+        else LatentShape(*PROFILE_LATENTS[p["resolution"]])
+    dit = build_dit(p["variant"], "tiny", dtype=dtype)
+    if p["mesh"] == UNSHARDED:  # the baseline: one device, every weight replicated, no SP hooks, no padding
+        backend = get_backend(p["backend"], MeshSpec((1, 1)))
+        placed = backend.place(dit, replicated_specs(dit))
+        sp, padding = None, "none"
+    else:
+        backend = get_backend(p["backend"], mesh_arg(p["backend"], p["mesh"]))
+        placed = backend.place(dit, shard_dit_specs(dit, backend.mesh))
+        sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding=p["padding"])
+        padding = p["padding"]
+    model = ShardedTransformer(dit, backend, placed, "transformer", padding)
+    inputs = dit_inputs(p["variant"], latent, dtype=dtype)
+    text_dim = dit.config.text_dim
+    cond = prompt_embeddings("a red fox running through fresh snow", text_dim, dtype=dtype)
+    uncond = prompt_embeddings("", text_dim, dtype=dtype)
+    per_token = p["variant"] in PER_TOKEN_TIMESTEPS
+    n = p["warmup"] + p["iters"]
+
+    def forward(x, t, emb):
+        return model(hidden_states=x, timestep=t, encoder_hidden_states=emb, return_dict=False)[0]
+
+    results = []
+    for what in p["what"]:
+        times: list[float] = []
+        marks: list = []
+        if what == "dit":
+            for i in range(n):
+                if i == p["warmup"]:
+                    marks.append(_cpu_snapshot())
+                t = time.perf_counter()
+                forward(inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"])
+                times.append(time.perf_counter() - t)
+        else:  # one denoising step as the Wan pipelines do it
+            scheduler = flow_scheduler()
+            scheduler.set_timesteps(n)
+            latents = inputs["hidden_states"].float()
+            tokens = latent.tokens()
+            for i, step_t in enumerate(scheduler.timesteps):
+                if i == p["warmup"]:
+                    marks.append(_cpu_snapshot())
+                t = time.perf_counter()
+                x = latents.to(dtype)
+                ts = step_t.expand(1, tokens) if per_token else step_t.expand(1)
+                noise_c = forward(x, ts, cond)
+                noise_u = forward(x, ts, uncond)
+                noise = noise_u + 4.0 * (noise_c - noise_u)
+                latents = scheduler.step(noise, step_t, latents, return_dict=False)[0]
+                times.append(time.perf_counter() - t)
+        marks.append(_cpu_snapshot())
+        timed = times[p["warmup"]:]
+        described = sp.describe() if sp is not None else {}
+        r = {
+            "what": what, "backend": p["backend"], "mesh": p["mesh"], "padding": padding, "variant": p["variant"],
+            "dtype": p["dtype"], "latent": [latent.frames, latent.height, latent.width],
+            "tokens": latent.tokens(), "padded_tokens": described.get("last_padded_tokens") or latent.tokens(),
+            "warmup": p["warmup"], "iters": p["iters"],
+            "first_iter_s": times[0], "warmup_s": times[: p["warmup"]],
+            "compile_s": max(times[0] - (statistics.median(timed) if timed else 0.0), 0.0),
+            "median_s": statistics.median(timed) if timed else None,
+            "min_s": min(timed) if timed else None, "max_s": max(timed) if timed else None, "times_s": timed,
+            "forwards_per_iter": 1 if what == "dit" else 2, "note": CPU_NOTE,
+            "others_cpu_share": _others_share(marks[0], marks[-1]) if len(marks) == 2 else None,
+            "host_cpus": os.cpu_count(),
+        }
+        results.append(r)
+        if timed:
+            print(f"profile {what:4} {p['backend']} {p['mesh']:9} padding {padding:5} {r['tokens']} tokens"
+                  f"{' -> ' + str(r['padded_tokens']) if r['padded_tokens'] != r['tokens'] else ''}: "
+                  f"first (compile + run) {r['first_iter_s']:.3f} s, warm median {r['median_s']:.4f} s "
+                  f"(min {r['min_s']:.4f}, max {r['max_s']:.4f}) over {p['iters']}", flush=True)
+    if sp is not None:
+        sp.remove()
+    print(f"note: {CPU_NOTE}", flush=True)
+    return results
+
+
+def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
+    prepare_worker(params["backend"])
+    return _profile(params)
+
+
+if __name__ == "__main__":
+    from ..pipeline.tiny import PipelineUnavailable
+    from ..specs import ShardingError
+
+    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable)))

@@ -1,0 +1,29 @@
+"""Pipeline integration: shard a whole diffusers Wan 2.2 pipeline and run it as usual.
+
+- :mod:`.shard`: :func:`shard_pipeline` (every expert, the pipeline's own ``__call__``) and its
+  reversible :class:`PipelineHandle`;
+- :mod:`.tiny`: an offline tiny pipeline per variant (random weights, no download) and loading a
+  local checkpoint;
+- :mod:`.video`: writing the frames a pipeline returns.
+"""
+
+from .shard import (
+    EXPERT_COMPONENTS,
+    SUPPORTED_PIPELINES,
+    PipelineHandle,
+    ShardedExpert,
+    ShardedTransformer,
+    diffusers_without_torch_xla,
+    shard_pipeline,
+    sharded,
+    sharded_handle,
+)
+from .video import write_video
+
+# The public home of the stand-in: what a sharded pipeline's config records for its experts.
+ShardedTransformer.__module__ = __name__
+
+__all__ = [
+    "EXPERT_COMPONENTS", "SUPPORTED_PIPELINES", "PipelineHandle", "ShardedExpert", "ShardedTransformer",
+    "diffusers_without_torch_xla", "shard_pipeline", "sharded", "sharded_handle", "write_video",
+]
