@@ -20,7 +20,8 @@ import pytest
 
 from wan_sharding.cli.compile import add_subcommands
 from wan_sharding.compile import (EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, CompileResult,
-                                  bill_problems, compile_many, latent_for, padding_cost, per_block_bill, sysdesc,
+                                  bill_problems, compile_many, latent_for, masked_attention_per_block, padding_cost,
+                                  per_block_bill, sysdesc,
                                   tile_alignment, ttnn_ir)
 from wan_sharding.mesh import mesh_from_preset
 
@@ -242,14 +243,18 @@ def test_parse_collectives_from_text() -> None:
 @needs_plugin
 def test_mask_padding_adds_no_op_per_block_and_slice_adds_two_slices(compiled: dict[str, CompileResult]) -> None:
     """The slice mode's K/V slice-back adds +2 ttnn.slice_static per block (measured on hardware too,
-    docs/hardware-facts.md); the key mask adds nothing per block, and once per forward only the
-    boundary pads and the small mask."""
+    docs/hardware-facts.md); the key mask adds nothing per block outside the fused attention (whose
+    compile-only decomposition adds the mask: one add, an operand of the fused op on hardware),
+    and once per forward only the boundary pads and the small mask."""
     mods = {k: _module(compiled[f"8x4/{k}"]) for k in ("slice/1", "slice/2", "mask/1", "mask/2", "none/1", "none/2")}
     unpadded = (mods["none/1"], mods["none/2"])
+    masks = masked_attention_per_block(*(Path(compiled[f"8x4/mask/{d}"].ttir_path).read_text() for d in (1, 2)), (1, 2))
+    assert masks == 1  # self-attention carries the key mask, cross-attention none
     slice_cost = padding_cost((mods["slice/1"], mods["slice/2"]), unpadded, (1, 2))
-    mask_cost = padding_cost((mods["mask/1"], mods["mask/2"]), unpadded, (1, 2))
+    mask_cost = padding_cost((mods["mask/1"], mods["mask/2"]), unpadded, (1, 2), masks)
     assert slice_cost["per_block"].get("slice_static") == 2
     assert mask_cost["per_block"] == {}
+    assert mask_cost["in_fused_attention"] == {"add": 1}
     assert mask_cost["per_forward"].get("pad") == 3  # hidden states and both rope tables
     assert mask_cost["per_forward"].get("slice_static") == 1  # the output back to L
     assert sum(mask_cost["per_forward"].values()) < 25

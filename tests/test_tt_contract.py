@@ -1,11 +1,18 @@
-"""Contract test for the ``tt`` backend with a stand-in for Tenstorrent's ``tt_torch``.
+"""Contract test for the ``tt`` backend with stand-ins for Tenstorrent's stack.
 
 Tenstorrent's torch plugin (``pjrt-plugin-tt``, providing ``tt_torch``) and their torch-xla fork
-come from Tenstorrent's own package index and cannot be installed here. This test replaces only
-``tt_torch.sharding`` with a recorder (a fake, said plainly) and checks exactly what the backend
-would send it: which tensors (shapes), with which partition specs, in which order, and the Shardy
-strings ``sharding_constraint_tensor`` would emit for them (its documented format). The model runs
-eagerly on CPU: the recorder returns each tensor unchanged.
+come from Tenstorrent's own package index and cannot be installed here, and there is no Tenstorrent
+device. So these tests replace, and say so plainly:
+
+- ``tt_torch.sharding`` with a recorder, and check exactly what the backend would send it: which
+  tensors (shapes), with which partition specs, in which order, and the Shardy strings
+  ``sharding_constraint_tensor`` would emit for them (its documented format). The recorder returns
+  each tensor unchanged, so the model runs eagerly on CPU.
+- ``torch.compile`` (only where the backend calls it) with a counter that records each call and
+  returns the eager model, and ``torch_xla`` with a fake module whose ``device()`` is the CPU and
+  whose ``set_custom_compile_options`` records what it gets (that function exists only in
+  Tenstorrent's torch-xla build). These show the backend compiles once per model and input
+  signature, forgets on ``release``, and sends the compile options once, defaults or overrides.
 """
 
 import sys
@@ -16,7 +23,8 @@ import pytest
 import torch
 
 from wan_sharding import apply_dit_sp_activation_sharding
-from wan_sharding.backends.tt import TTBackend
+from wan_sharding.backends import tt as tt_module
+from wan_sharding.backends.tt import COMPILE_OPTIONS_ENV, TTBackend, TTCompileOptions
 from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 
@@ -62,12 +70,15 @@ def test_tt_backend_sends_the_double_constraint_and_the_exit_gather(tt_recorder,
     rep4, sp4 = "[{}, {}, {}, {}]", '[{}, {"mesh_idx_0"}, {}, {}]'
     rep3, sp3 = "[{}, {}, {}]", '[{}, {"mesh_idx_0"}, {}]'
     wrap = lambda s: f"#sdy.sharding_per_value<[<@mesh, {s}>]>"  # noqa: E731
+    # mask mode: the key mask, built once at the block-stack entry, is pinned whole on every device
+    mask = [((1, 1, 1, 128), (None, None, None, None), wrap(rep4))] if padding == "mask" else []
     assert tt_recorder == [
         # rope tables: replicated anchor, then padded and L-on-SP (cos, then sin)
         ((1, 105, 1, 16), (None, None, None, None), wrap(rep4)),
         ((1, 128, 1, 16), (None, "sp", None, None), wrap(sp4)),
         ((1, 105, 1, 16), (None, None, None, None), wrap(rep4)),
         ((1, 128, 1, 16), (None, "sp", None, None), wrap(sp4)),
+        *mask,
         # block-stack entry: the same double constraint on (B, L, D)
         ((1, 105, 128), (None, None, None), wrap(rep3)),
         ((1, 128, 128), (None, "sp", None), wrap(sp3)),
@@ -82,3 +93,111 @@ def test_tt_backend_without_the_plugin_says_where_to_get_it(monkeypatch):
 
     with pytest.raises(BackendError, match="pjrt-plugin-tt.*Tenstorrent's package index"):
         TTBackend(mesh_from_preset("2x4"))
+
+
+# ---------------------------------------------------------------------------- compile once, options
+
+# What Tenstorrent's Wan DiT tests compile with (tt-xla tests/torch/models/wan14b/test_wan_dit.py),
+# as strings, the form their test compiler config hands to set_custom_compile_options.
+WAN_TEST_OPTIONS = {"optimization_level": "1", "experimental_enable_dram_space_saving_optimization": "true",
+                    "enable_trace": "true"}
+
+
+@pytest.fixture
+def tt_stand_ins(tt_recorder, monkeypatch):
+    """Stand-ins (see the module docstring): ``torch.compile`` counts and returns the eager model;
+    a fake ``torch_xla`` records ``set_custom_compile_options`` and puts "the TT device" on the CPU."""
+    record = SimpleNamespace(compiles=[], options=[])
+
+    def compile_stand_in(model, *, backend=None, **kwargs):
+        record.compiles.append((model, backend, kwargs))
+        return lambda *args, **kw: model(*args, **kw)
+
+    fake_xla = types.ModuleType("torch_xla")
+    fake_xla.device = lambda: torch.device("cpu")
+    fake_xla.set_custom_compile_options = lambda options: record.options.append(dict(options))
+    monkeypatch.setattr(torch, "compile", compile_stand_in)
+    monkeypatch.setitem(sys.modules, "torch_xla", fake_xla)
+    monkeypatch.setattr(tt_module, "_applied_options", None)  # a fresh process: nothing sent yet
+    monkeypatch.delenv(COMPILE_OPTIONS_ENV, raising=False)
+    return record
+
+
+def _tt_backend(**kwargs):
+    # A torch-xla Mesh needs Tenstorrent devices; nothing here reads more than its axis names.
+    native = SimpleNamespace(mesh_shape=(2, 4), axis_names=("sp", "tp"))
+    return TTBackend(mesh_from_preset("2x4"), native_mesh=native, **kwargs)
+
+
+def test_tt_backend_compiles_once_per_model_and_input_signature(tt_stand_ins):
+    backend = _tt_backend()
+    dit, other = build_dit("t2v-a14b"), build_dit("t2v-a14b")
+    small = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    large = dit_inputs("t2v-a14b", LatentShape(1, 32, 32))
+    with torch.no_grad():
+        ref = dit(**small, return_dict=False)[0]
+        first = backend.run(dit, None, **small)
+        second = backend.run(dit, None, **small)
+        assert len(tt_stand_ins.compiles) == 1  # repeated calls reuse the compiled forward
+        model, name, kwargs = tt_stand_ins.compiles[0]
+        assert model is dit and name == "tt" and kwargs == {"dynamic": False}
+        torch.testing.assert_close(first, ref)
+        torch.testing.assert_close(second, ref)
+
+        backend.compile(dit, None, **small)()  # a Program for the same inputs: the same compile
+        backend.run(dit, None, **large)  # a new input shape: compiled again, for that shape
+        assert len(tt_stand_ins.compiles) == 2
+        backend.run(dit, None, **small)
+        backend.run(dit, None, **large)
+        assert len(tt_stand_ins.compiles) == 2
+
+        backend.run(dit, None, **{**small, "encoder_hidden_states_image": None})  # None-ness is part of it
+        backend.run(dit, None, **{k: v.to(torch.float64) if k == "timestep" else v for k, v in small.items()})
+        assert len(tt_stand_ins.compiles) == 4  # ... and so are dtypes
+        backend.run(other, None, **small)  # another model: its own compile
+        assert len(tt_stand_ins.compiles) == 5 and tt_stand_ins.compiles[-1][0] is other
+        assert backend.compiles == 5
+
+        backend.release(dit)  # forgotten: the next call compiles again; the other model is kept
+        backend.run(dit, None, **small)
+        backend.run(other, None, **small)
+    assert len(tt_stand_ins.compiles) == 6 and tt_stand_ins.compiles[-1][0] is dit
+    # The options reached torch-xla once, before the first compile, with the Wan tests' defaults.
+    assert tt_stand_ins.options == [WAN_TEST_OPTIONS]
+
+
+def test_tt_compile_options_defaults_and_overrides(tt_stand_ins, monkeypatch):
+    assert TTCompileOptions().to_torch_xla() == WAN_TEST_OPTIONS
+    dit = build_dit("t2v-a14b")
+    inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    backend = _tt_backend(compile_options={"optimization_level": 2, "enable_trace": False, "export_path": "irs"})
+    with torch.no_grad():
+        backend.run(dit, None, **inputs)
+        backend.run(dit, None, **inputs)
+    overridden = {"optimization_level": "2", "experimental_enable_dram_space_saving_optimization": "true",
+                  "enable_trace": "false", "export_path": "irs"}
+    assert tt_stand_ins.options == [overridden]
+
+    # Options from the environment (how the CLI's workers get them), as a dataclass field each.
+    monkeypatch.setenv(COMPILE_OPTIONS_ENV, '{"optimization_level": 0, "experimental_enable_dram_space_saving_optimization": false}')
+    env_backend = _tt_backend()
+    assert env_backend.compile_options == TTCompileOptions(0, False, True)
+    with torch.no_grad():
+        env_backend.run(dit, None, **inputs)
+    assert tt_stand_ins.options[-1] == {"optimization_level": "0", "enable_trace": "true",
+                                        "experimental_enable_dram_space_saving_optimization": "false"}
+    # A backend with the options torch-xla already has sends nothing again (they are process-wide).
+    with torch.no_grad():
+        _tt_backend(compile_options=TTCompileOptions(0, False, True)).run(dit, None, **inputs)
+    assert len(tt_stand_ins.options) == 2
+
+    with pytest.raises(ValueError, match="optimization_level"):
+        TTCompileOptions(optimization_level=3)
+
+
+def test_tt_backend_on_stock_torch_xla_says_it_is_not_tenstorrents_build(tt_stand_ins, monkeypatch):
+    monkeypatch.delattr(sys.modules["torch_xla"], "set_custom_compile_options")
+    from wan_sharding import BackendError
+
+    with pytest.raises(BackendError, match="stock torch-xla.*Tenstorrent's package index"), torch.no_grad():
+        _tt_backend().run(build_dit("t2v-a14b"), None, **dit_inputs("t2v-a14b", LatentShape(3, 10, 14)))

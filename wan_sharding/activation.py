@@ -176,8 +176,13 @@ def apply_dit_sp_activation_sharding(
                 x = kwargs[arg] if arg in kwargs else args[0]
                 state.valid_len = x.shape[dim]
                 state.padded_len = padded_length(state.valid_len, multiple)
-                state.key_mask = build_key_mask(state.valid_len, state.padded_len, x) if (
-                    padding == "mask" and state.padded) else None
+                state.key_mask = None
+                if padding == "mask" and state.padded:
+                    mask = build_key_mask(state.valid_len, state.padded_len, x)
+                    # Whole on every device, like the gathered K it masks: left free, the
+                    # partitioner may split it over SP along with the queries, and tt-mlir's fused
+                    # SDPA then sees a mask shorter than K. One constraint per forward.
+                    state.key_mask = be.constrain(mask, (None,) * mask.ndim) if sp_axis is not None else mask
                 x = shard_tokens(x, dim)
                 if arg in kwargs:
                     return args, {**kwargs, arg: x}

@@ -48,5 +48,8 @@ def padding_name(value: Any) -> str:
 
 
 # ---- executing backends ----------------------------------------------------------------------
-# Backends that run a forward on CPU virtual devices here (``tt`` needs Tenstorrent's stack).
+# Backends that run a forward on CPU virtual devices here (the commands' defaults).
 CPU_BACKENDS: tuple[str, ...] = ("xla", "jax")
+# Every backend a command can run a forward on: the CPU ones, and ``tt`` on Tenstorrent devices
+# (with Tenstorrent's stack; without it the command says what is missing and exits 1).
+EXECUTING_BACKENDS: tuple[str, ...] = (*CPU_BACKENDS, "tt")

@@ -3,7 +3,8 @@
 What sharding needs: place weights, constrain an activation. What callers need to run and
 measure a sharded model without knowing which backend it is: compile a forward once, run it on
 the devices, copy its output to the host, count the collectives of what was compiled, forget
-what was cached, and the environment a worker process needs to run this backend on CPU.
+what was cached, and the environment a worker process needs to run this backend (on CPU virtual
+devices, or on the backend's own devices).
 """
 
 from __future__ import annotations
@@ -78,11 +79,26 @@ class Backend(abc.ABC):
     def release(self, dit: torch.nn.Module) -> None:
         """Forget anything compiled or cached for ``dit`` (nothing by default)."""
 
+    def sdpa_composite(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attn_mask: torch.Tensor | None, scale: float, is_causal: bool) -> torch.Tensor:
+        """Attention as Tenstorrent's fused SDPA composite in this backend's lowering
+        (``wan_sharding.fused_sdpa``); a backend that cannot mark composites computes the plain math."""
+        from ..fused_sdpa import sdpa_math
+
+        return sdpa_math(query, key, value, attn_mask, scale, is_causal)
+
     @staticmethod
     def cpu_env(num_devices: int) -> dict[str, str]:
         """The environment a fresh process needs to run this backend on ``num_devices`` CPU
         devices (set before the stack starts)."""
         raise BackendError("this backend does not run on CPU virtual devices")
+
+    @classmethod
+    def worker_env(cls, num_devices: int) -> dict[str, str]:
+        """The environment a fresh worker process needs to run this backend on ``num_devices``
+        devices: CPU virtual devices by default (:meth:`cpu_env`); a backend on real devices
+        (``tt``) overrides it, and raises BackendError when its stack is missing."""
+        return cls.cpu_env(num_devices)
 
     def check_device_count(self, available: int, what: str) -> None:
         if available != self.mesh.num_devices:

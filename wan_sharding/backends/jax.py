@@ -103,19 +103,49 @@ class JaxBackend(Backend):
             )
         return torch_view(jax.lax.with_sharding_constraint(jax_view(tensor), self.sharding(spec)))
 
-    def jax_forward(self, dit: torch.nn.Module):
-        """``f(state, args, kwargs) -> output`` as a JAX-traceable function of JAX values."""
+    def jax_forward(self, dit: torch.nn.Module, fused_sdpa: Any = None):
+        """``f(state, args, kwargs) -> output`` as a JAX-traceable function of JAX values.
+
+        ``fused_sdpa``: a :class:`~wan_sharding.fused_sdpa.FusedSDPA` to trace under (bf16 attention
+        becomes Tenstorrent's composite), or ``None`` for the model as it is.
+        """
+        import contextlib
+
         import torchax
 
         env = torchax.default_env()
 
         def forward(state: dict, args: tuple, kwargs: dict):
             state, args, kwargs = env.j2t_iso((state, args, kwargs))
-            with env:
+            with env, (fused_sdpa if fused_sdpa is not None else contextlib.nullcontext()):
                 out = torch.func.functional_call(dit, state, args, {**kwargs, "return_dict": False})[0]
             return env.t2j_iso(out)
 
         return forward
+
+    def sdpa_composite(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attn_mask: torch.Tensor | None, scale: float, is_causal: bool) -> torch.Tensor:
+        """``jax.lax.composite`` around the plain math (inside a torchax trace)."""
+        import jax
+        import jax.numpy as jnp
+        from torchax.interop import jax_view, torch_view
+
+        from ..fused_sdpa import SDPA_COMPOSITE
+
+        def body(q, k, v, *mask, scale, is_causal):
+            scores = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) * jnp.asarray(scale, q.dtype)
+            if mask:
+                scores = scores + mask[0]
+            if is_causal:
+                lq, lk = scores.shape[-2:]
+                keep = jnp.tril(jnp.ones((lq, lk), bool), lk - lq)
+                scores = jnp.where(keep, scores, jnp.finfo(scores.dtype).min)
+            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+            return jnp.matmul(probs, v)
+
+        operands = [jax_view(t) for t in (query, key, value)] + ([] if attn_mask is None else [jax_view(attn_mask)])
+        out = jax.lax.composite(body, name=SDPA_COMPOSITE)(*operands, scale=float(scale), is_causal=bool(is_causal))
+        return torch_view(out)
 
     def _jitted(self, dit: torch.nn.Module):
         """One ``jax.jit`` per model, so repeated calls with the same shapes reuse the executable

@@ -70,6 +70,23 @@ class XlaBackend(Backend):
         # constraint followed by a sharded one stays two separate constraints in the HLO.
         return xs.annotate_custom_sharding(tensor, self.native_mesh, spec).global_tensor
 
+    def sdpa_composite(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attn_mask: torch.Tensor | None, scale: float, is_causal: bool) -> torch.Tensor:
+        """A ``stablehlo.composite`` around the plain math, as Tenstorrent's torch plugin marks it.
+
+        Its body must not use a value defined outside it: trace with every scalar inlined as a
+        constant (``torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)``, what torch-xla's
+        own StableHLO exporter does), or the scale becomes an extra operand.
+        """
+        from torch_xla.experimental.mark_pattern_utils import StableHLOCompositeBuilder
+
+        from ..fused_sdpa import SDPA_COMPOSITE, sdpa_math
+
+        builder = StableHLOCompositeBuilder(name=SDPA_COMPOSITE, attr={"is_causal": is_causal, "scale": scale})
+        marked = builder.mark_inputs(query, key, value, *(() if attn_mask is None else (attn_mask,)))
+        q, k, v, *mask = marked
+        return builder.mark_outputs(sdpa_math(q, k, v, mask[0] if mask else None, scale, is_causal))
+
     def _to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dev = self.device
         move = lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x  # noqa: E731

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Iterable
 
 from ..mesh import PRESET_TABLE, MeshError, preset_key
 from ..options import DTYPE_ALIASES, DTYPES, PADDING_NAMES, dtype_name
@@ -39,3 +41,18 @@ def add_dtype(ap: argparse.ArgumentParser, default: str | None, help: str = "") 
 def add_padding(ap: argparse.ArgumentParser, default: str) -> None:
     ap.add_argument("--padding", default=default, choices=list(PADDING_NAMES),
                     help=f"how the token dim is padded to SP x 32 (default {default})")
+
+
+def stack_missing(backends: Iterable[str]) -> bool:
+    """True, after one line on stderr naming what is missing and how to get it, when a backend's
+    stack is not on this machine (``tt`` without Tenstorrent's stack); the command then exits 1
+    before any worker starts."""
+    from ..backends import BackendError
+    from ..jobs.launch import check_stacks
+
+    try:
+        check_stacks(backends)
+    except BackendError as e:
+        print(f"wan-sharding: {e}", file=sys.stderr)
+        return True
+    return False

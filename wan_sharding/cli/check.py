@@ -11,13 +11,15 @@ from ..jobs.check import Case, run_in_subprocess
 from ..jobs.pcc import PCC_THRESHOLDS
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
-from ..options import CPU_BACKENDS, DEFAULT_PADDING
-from .args import add_dtype, add_mesh, add_padding, preset
+from ..options import CPU_BACKENDS, DEFAULT_PADDING, EXECUTING_BACKENDS
+from .args import add_dtype, add_mesh, add_padding, preset, stack_missing
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 
 
 def _check(args: argparse.Namespace) -> int:
+    if stack_missing(args.backends):
+        return 1
     cases = [Case(args.variant, length, args.dtype, args.padding) for length in args.lengths]
     rows: list[dict[str, Any]] = []
     failed = False
@@ -78,7 +80,9 @@ def add_subcommands(sub: Any) -> None:
     check = sub.add_parser("check", help="PCC of the sharded tiny DiT vs unsharded (the default job)")
     check.add_argument("--meshes", nargs="+", default=list(DEFAULT_MESHES), type=preset, choices=list(PRESET_TABLE),
                        metavar="MESH", help=f"mesh presets (default {' '.join(DEFAULT_MESHES)})")
-    check.add_argument("--backends", nargs="+", default=list(CPU_BACKENDS), choices=list(CPU_BACKENDS))
+    check.add_argument("--backends", nargs="+", default=list(CPU_BACKENDS), choices=list(EXECUTING_BACKENDS),
+                       help=f"default {' '.join(CPU_BACKENDS)} (CPU virtual devices); tt runs on Tenstorrent "
+                            "devices and needs Tenstorrent's stack")
     check.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)
     check.add_argument("--lengths", nargs="+", default=["aligned", "padded"],
                        help="'aligned' (256 tokens), 'padded' (105 tokens) or a latent shape F,H,W")

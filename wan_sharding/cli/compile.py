@@ -20,6 +20,7 @@ from typing import Any
 from ..compile import (EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, compile_reports, format_report,
                        latent_for, report_exit_code, sysdesc)
 from ..mesh import PRESETS, MeshError, mesh_from_preset
+from ..compile.request import FRONTENDS
 from ..models import RESOLUTIONS, VARIANTS
 from ..options import DEFAULT_PADDING
 from ..workers import atomic_write
@@ -60,6 +61,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         req = CompileRequest(
             variant=args.variant, mesh=args.mesh, latent=latent, blocks=blocks, size=args.size,
             padding=args.padding, anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
+            frontend=args.frontend, fused_sdpa=not args.no_fused_sdpa,
             resolution=args.resolution if args.latent is None else None,
             out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
         ).validate()
@@ -109,6 +111,11 @@ def add_subcommands(sub: Any) -> None:
     add_padding(c, DEFAULT_PADDING)
     add_dtype(c, "bf16")
     c.add_argument("--batch", type=int, default=1)
+    c.add_argument("--frontend", choices=list(FRONTENDS), default="torchax",
+                   help="torchax: the DiT as a JAX function, abstract weights (any depth); torch-xla: the lowering "
+                        "Tenstorrent hardware compiles (real weights in host memory: keep full width to a few blocks)")
+    c.add_argument("--no-fused-sdpa", action="store_true",
+                   help="leave bf16 attention as plain math instead of Tenstorrent's fused SDPA composite")
     c.add_argument("--no-anchor", action="store_true",
                    help="drop the replicated constraint before each L-on-SP split (shows why it is there)")
     c.add_argument("--out", default=None, help="folder for IRs, logs and report.json (default: a new temp folder, "

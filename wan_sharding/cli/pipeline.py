@@ -10,11 +10,13 @@ from typing import Any
 from ..jobs.generate import __doc__ as GENERATE_DOC
 from ..jobs.generate import run_generate
 from ..jobs.launch import UNSHARDED
-from ..jobs.profile import CPU_NOTE, PROFILE_LATENTS, WHAT, run_profile
+from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
-from ..options import CPU_BACKENDS, DEFAULT_PADDING
-from .args import add_dtype, add_mesh, add_padding
+from ..options import EXECUTING_BACKENDS, DEFAULT_PADDING
+from .args import add_dtype, add_mesh, add_padding, stack_missing
+
+BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
 
 
 def _params(args: argparse.Namespace) -> dict[str, Any]:
@@ -22,6 +24,8 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if stack_missing([args.backend]):
+        return 1
     run = run_generate(_params(args))
     if not run.ok:
         return run.returncode
@@ -29,13 +33,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    if stack_missing([args.backend]):
+        return 1
     run = run_profile(_params(args), echo=not args.json)
     if not run.ok:
         if args.json:
             print(run.output[-4000:], file=sys.stderr)
         return run.returncode
     if args.json:
-        print(json.dumps({"results": run.results, "note": CPU_NOTE}, indent=1))
+        print(json.dumps({"results": run.results, "note": note_for(args.backend)}, indent=1))
     return 0
 
 
@@ -44,7 +50,7 @@ def add_subcommands(sub: Any) -> None:
     g = sub.add_parser("generate", help="run a Wan 2.2 pipeline with both experts sharded; write the video",
                        description=GENERATE_DOC.split("\n\n")[0])
     add_mesh(g, "2x4")
-    g.add_argument("--backend", default="jax", choices=list(CPU_BACKENDS))
+    g.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
     g.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
                    help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
     g.add_argument("--model", help="a local diffusers Wan 2.2 checkpoint directory (needs transformers)")
@@ -66,7 +72,7 @@ def add_subcommands(sub: Any) -> None:
     p = sub.add_parser("profile", help="warm-iteration timing of the sharded DiT or denoising step",
                        description=PROFILE_DOC.split("\n\n")[0])
     add_mesh(p, "2x4", UNSHARDED, help=f"a preset, or '{UNSHARDED}' (one device, no TP/SP: the baseline)")
-    p.add_argument("--backend", default="jax", choices=list(CPU_BACKENDS))
+    p.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
     p.add_argument("--what", nargs="+", default=["dit"], choices=list(WHAT),
                    help="dit: one DiT forward; step: cond + uncond forward, CFG, scheduler step")
     p.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)

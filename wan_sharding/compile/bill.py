@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ..mesh import TILE, MeshSpec, as_mesh_spec
-from .ttnn_ir import Collective, TTNNModule
+from .ttnn_ir import Collective, Op, TTNNModule, format_bytes, ttir_attention
 
 # Ops that only move data (no arithmetic): what a padding mode may add.
 DATA_MOVEMENT_OPS = ("slice_static", "pad", "concat", "reshape", "permute", "repeat", "to_layout",
@@ -172,9 +172,42 @@ def design_bill(mesh: MeshSpec | str) -> dict[tuple[str, str, str | None], int]:
     return bill
 
 
-def bill_problems(bill: BlockBill, mesh: MeshSpec | str) -> list[str]:
-    """Differences between a measured bill and :func:`design_bill`; empty when they agree."""
-    want = design_bill(mesh)
+@dataclass(frozen=True)
+class DesignBytes:
+    """What the design's large collectives move, per device, in the model's compute dtype.
+
+    ``sp_gather``: the result of one K or V all-gather over SP, (B, heads / TP, padded L, head_dim);
+    ``tp_reduce``: one large all-reduce over TP, (B, padded L / SP, D). A collective that moves more
+    (an f32 gather where bf16 was designed, a gather of something larger) costs hardware time that
+    the counts alone do not show.
+    """
+
+    sp_gather: int
+    tp_reduce: int
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sp_gather": self.sp_gather, "tp_reduce": self.tp_reduce, "dtype": self.dtype}
+
+
+def design_bytes(config: Mapping[str, Any], mesh: MeshSpec | str, padded_tokens: int, batch: int = 1,
+                 dtype: str = "bf16") -> DesignBytes:
+    """:class:`DesignBytes` for a model config (``models.config_for``), mesh and padded token count."""
+    m = as_mesh_spec(mesh)
+    elem = {"bf16": 2, "fp32": 4}[dtype]
+    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+    return DesignBytes(sp_gather=batch * (heads // m.tp) * padded_tokens * head_dim * elem,
+                       tp_reduce=batch * (padded_tokens // m.sp) * heads * head_dim * elem, dtype=dtype)
+
+
+def bill_problems(bill: BlockBill, mesh: MeshSpec | str, budget: DesignBytes | None = None) -> list[str]:
+    """Differences between a measured bill and :func:`design_bill`; empty when they agree.
+
+    With ``budget``, also every large SP all-gather or TP all-reduce that moves more bytes per
+    device than the design's.
+    """
+    m = as_mesh_spec(mesh)
+    want = design_bill(m)
     got = bill.by_class()
     problems = list(bill.irregular)
     for key in sorted(set(want) | set(got), key=str):
@@ -182,12 +215,19 @@ def bill_problems(bill: BlockBill, mesh: MeshSpec | str) -> list[str]:
         if w != g:
             kind, size, axis = key
             problems.append(f"{size} {kind} over {axis}: {g:g} per block, design says {w}")
+    if budget is not None:
+        limits = {("all_gather", m.sp_axis): budget.sp_gather, ("all_reduce", m.tp_axis): budget.tp_reduce}
+        for e in bill.entries:
+            limit = limits.get((e.kind, e.axis))
+            if e.size == "large" and limit is not None and e.bytes > limit:
+                problems.append(f"large {e.kind} over {e.axis} moves {format_bytes(e.bytes)} per device "
+                                f"({e.payload}); the design's {budget.dtype} minimum is {format_bytes(limit)}")
     return problems
 
 
-def bill_ok(bill: BlockBill, mesh: MeshSpec | str) -> bool:
-    """True when the measured per-block bill is exactly the design's."""
-    return not bill_problems(bill, mesh)
+def bill_ok(bill: BlockBill, mesh: MeshSpec | str, budget: DesignBytes | None = None) -> bool:
+    """True when the measured per-block bill is exactly the design's (and within ``budget``)."""
+    return not bill_problems(bill, mesh, budget)
 
 
 def collective_table(module: TTNNModule, mesh: MeshSpec | str | None = None) -> list[dict[str, Any]]:
@@ -284,10 +324,48 @@ def _minus(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
 
 
 def padding_cost(padded: tuple[TTNNModule, TTNNModule], unpadded: tuple[TTNNModule, TTNNModule],
-                 blocks: tuple[int, int]) -> dict[str, dict[str, float]]:
+                 blocks: tuple[int, int], fused_masks_per_block: float = 0) -> dict[str, dict[str, float]]:
     """Ops present only because of padding: the padded graph against the same graph unpadded, each
     compiled at the two depths ``blocks`` (shallow, deep). Per-block and per-forward op-count
-    differences; a negative count is an op the padded graph has fewer of."""
+    differences; a negative count is an op the padded graph has fewer of.
+
+    ``fused_masks_per_block``: masked fused-attention calls per block (:func:`masked_attention_per_block`).
+    Compile-only TTNN decomposes the fused SDPA, so each mask there is one ``add``; on hardware the
+    mask is an operand of the one fused op. Those adds are reported apart, under ``in_fused_attention``.
+    """
     pb_pad, pf_pad = split_ops(*padded, *blocks)
     pb_raw, pf_raw = split_ops(*unpadded, *blocks)
-    return {"per_block": _minus(pb_pad, pb_raw), "per_forward": _minus(pf_pad, pf_raw)}
+    per_block = _minus(pb_pad, pb_raw)
+    inside: dict[str, float] = {}
+    if fused_masks_per_block and per_block.get("add", 0) >= fused_masks_per_block:
+        inside = {"add": fused_masks_per_block}
+        per_block = _minus(per_block, inside)
+    return {"per_block": per_block, "per_forward": _minus(pf_pad, pf_raw), "in_fused_attention": inside}
+
+
+def masked_attention_per_block(shallow_ttir: str, deep_ttir: str, blocks: tuple[int, int]) -> float:
+    """Fused attention calls with a mask operand that one block adds (two TTIR texts, two depths)."""
+    masked = [sum(1 for op in ttir_attention(text) if len(op.operands) > 3) for text in (shallow_ttir, deep_ttir)]
+    return _whole((masked[1] - masked[0]) / (blocks[1] - blocks[0]), 3)
+
+
+# ------------------------------------------------------------------------------ fused attention
+
+
+def attention_report(ops: Iterable[Op], mesh: MeshSpec | str, padded_tokens: int | None) -> dict[str, Any]:
+    """The fused attention calls of a TTIR module against the design: Q split over SP (each device
+    attends for its own L / SP queries), only K and V whole. ``calls`` groups them by per-device
+    Q / K / V / mask types; ``q_split`` is False when some call has Q at another length than
+    padded L / SP (e.g. gathered: the compiler would run full attention on every SP device)."""
+    m = as_mesh_spec(mesh)
+    groups: Counter = Counter()
+    q_lengths = set()
+    for op in ops:
+        q, k, v, *mask = op.operands
+        groups[(str(q), str(k), str(v), str(mask[0]) if mask else None)] += 1
+        q_lengths.add(q.shape[-2])
+    want = None if padded_tokens is None else padded_tokens // m.sp
+    calls = [{"q": q, "k": k, "v": v, "mask": mask, "count": n} for (q, k, v, mask), n in groups.items()]
+    q_split = want is None or q_lengths <= {want}
+    return {"count": sum(groups.values()), "calls": calls, "q_tokens_per_device": sorted(q_lengths),
+            "q_tokens_expected": want, "q_split": q_split}

@@ -34,13 +34,12 @@ def _find_ir(out_dir: Path, stage: str) -> str | None:
 def compile_in_process(req: CompileRequest) -> dict[str, Any]:
     """Build, shard, lower and compile one request in this process. Worker side only: imports
     JAX, which must already see the tt devices (``TT_COMPILE_ONLY_SYSTEM_DESC`` set at start)."""
-    import resource
-
     import jax
     import jax.numpy as jnp
 
     from ..activation import apply_dit_sp_activation_sharding
     from ..backends.jax import JaxBackend
+    from ..fused_sdpa import FusedSDPA
     from ..models import build_dit
     from ..specs import shard_dit_specs
 
@@ -76,14 +75,17 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
             "encoder_hidden_states": jax.ShapeDtypeStruct(
                 (req.batch, PROMPT_TOKENS[req.size], cfg["text_dim"]), act, sharding=rep),
         }
+        fused = FusedSDPA(backend) if req.fused_sdpa else None
         t1 = time.perf_counter()
-        lowered = jax.jit(backend.jax_forward(dit)).lower(state, (), inputs)
+        lowered = jax.jit(backend.jax_forward(dit, fused_sdpa=fused)).lower(state, (), inputs)
         t2 = time.perf_counter()
         out_dir = Path(req.out_dir or tempfile.mkdtemp(prefix="wan_ir_"))
         out_dir.mkdir(parents=True, exist_ok=True)
         result: dict[str, Any] = {
             "out_dir": str(out_dir), "lower_seconds": round(t2 - t1, 3), "sp_points": handle.points,
             "tokens": handle.state.valid_len, "padded_tokens": handle.state.padded_len,
+            "sdpa_fused": fused.fused if fused is not None else 0,
+            "sdpa_plain": fused.plain if fused is not None else None,
         }
         try:
             lowered.compile(compiler_options={"export_path": str(out_dir)})
@@ -91,13 +93,38 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
         except Exception as e:  # the plugin raises XlaRuntimeError / JaxRuntimeError
             result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
         t3 = time.perf_counter()
-        result.update(
-            compile_seconds=round(t3 - t2, 3), total_seconds=round(t3 - t0, 3),
-            ttnn_path=_find_ir(out_dir, "ttnn"), ttir_path=_find_ir(out_dir, "ttir"),
-            rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        )
-        if result["ok"] and not result["ttnn_path"]:
-            result.update(ok=False, error=f"compiled but no TTNN IR was exported under {out_dir}/irs")
-        return result
+        result.update(compile_seconds=round(t3 - t2, 3), total_seconds=round(t3 - t0, 3))
+        return _with_irs(result, out_dir)
     finally:
         handle.remove()
+
+
+def _with_irs(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Add the exported IR paths and the peak memory; a compile without TTNN IR is a failure."""
+    import resource
+
+    result.update(ttnn_path=_find_ir(out_dir, "ttnn"), ttir_path=_find_ir(out_dir, "ttir"),
+                  rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+    if result["ok"] and not result["ttnn_path"]:
+        result.update(ok=False, error=f"compiled but no TTNN IR was exported under {out_dir}/irs")
+    return result
+
+
+def compile_traced(req: CompileRequest, traced: dict[str, Any]) -> dict[str, Any]:
+    """Compile what the torch-xla frontend traced (:mod:`.xla_lowering`: its result for ``req``,
+    with the Shardy module's path) on the tt client; worker side only."""
+    from .shardy import compile_stablehlo_text
+
+    out_dir = Path(req.out_dir or tempfile.mkdtemp(prefix="wan_ir_"))
+    result = {k: traced[k] for k in ("stablehlo_path", "trace_seconds", "trace_rss_mb", "sp_points", "tokens",
+                                     "padded_tokens", "sdpa_fused", "sdpa_plain") if k in traced}
+    result.update(out_dir=str(out_dir), lower_seconds=traced.get("trace_seconds"))
+    t0 = time.perf_counter()
+    try:
+        compile_stablehlo_text(Path(traced["stablehlo_path"]).read_text(), req.num_devices, out_dir)
+        result["ok"] = True
+    except Exception as e:  # the plugin raises XlaRuntimeError when tt-mlir rejects the module
+        result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
+    seconds = round(time.perf_counter() - t0, 3)
+    result.update(compile_seconds=seconds, total_seconds=round(seconds + (traced.get("trace_seconds") or 0), 3))
+    return _with_irs(result, out_dir)

@@ -20,21 +20,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..mesh import TILE
+from ..models import config_for
 from . import bill as ir_bill
 from .request import CompileRequest, CompileResult
 from .runner import compile_many
-from .ttnn_ir import REPORTED_OPS, TTNNModule
+from .ttnn_ir import REPORTED_OPS, TTNNModule, format_bytes, ttir_attention
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR = 0, 1, 2
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in B, KiB, MiB or GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def base_depth(blocks: int) -> int:
@@ -52,7 +44,8 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         "mesh": req.mesh, "sp": mesh.sp, "tp": mesh.tp,
         "resolution": req.resolution or "x".join(map(str, req.latent)),
         "latent": list(req.latent), "variant": req.variant, "size": req.size, "blocks": req.num_blocks,
-        "padding": req.padding, "anchor": req.anchor, "dtype": req.dtype,
+        "padding": req.padding, "anchor": req.anchor, "dtype": req.dtype, "frontend": req.frontend,
+        "fused_sdpa": req.fused_sdpa,
         "tokens": main.tokens, "padded_tokens": main.padded_tokens,
         "compile_seconds": main.compile_seconds, "lower_seconds": main.lower_seconds,
         "build_lower_compile_seconds": main.total_seconds, "rss_mb": main.rss_mb,
@@ -65,7 +58,12 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         return report
     module = TTNNModule.from_file(main.ttnn_path)
     tiles = ir_bill.tile_alignment(module, mesh)
+    attention = (ir_bill.attention_report(ttir_attention(Path(main.ttir_path).read_text()), mesh, main.padded_tokens)
+                 if main.ttir_path else None)
+    if attention is not None:
+        attention.update(traced_fused=main.sdpa_fused, traced_plain=main.sdpa_plain)
     report.update(
+        sdpa=attention,
         ops=module.histogram(),
         collectives=ir_bill.collective_table(module, mesh),
         tile_aligned=tiles["aligned"], token_dims=tiles["token_dims"], misaligned=tiles["misaligned"],
@@ -77,8 +75,11 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         return report
     bill = ir_bill.per_block_bill(TTNNModule.from_file(base.ttnn_path), module,
                                   base.request.num_blocks, req.num_blocks, mesh)
-    problems = ir_bill.bill_problems(bill, mesh)
+    budget = ir_bill.design_bytes(config_for(req.variant, req.size), mesh, main.padded_tokens or main.tokens,
+                                  req.batch, req.dtype)
+    problems = ir_bill.bill_problems(bill, mesh, budget)
     report.update(
+        design_bytes=budget.to_json(),
         per_block=bill.counts(), per_block_totals=bill.totals(),
         per_block_entries=[e.to_json() for e in bill.entries], per_block_ops=bill.ops,
         bill_ok=not problems, bill_problems=problems,
@@ -126,16 +127,22 @@ def padding_report(padded: Sequence[CompileResult], unpadded: Sequence[CompileRe
                 "padding_note": f"no comparison: {failed[0].request.label()} did not compile ({failed[0].error})"}
     mods = [TTNNModule.from_file(r.ttnn_path) for r in [*padded, *unpadded]]
     depths = (padded[1].request.num_blocks, padded[0].request.num_blocks)
-    cost = ir_bill.padding_cost((mods[1], mods[0]), (mods[3], mods[2]), depths)
-    return {"padding_ops_per_block": cost["per_block"], "padding_ops_per_forward": cost["per_forward"]}
+    masks = 0.0
+    if padded[0].ttir_path and padded[1].ttir_path:
+        masks = ir_bill.masked_attention_per_block(Path(padded[1].ttir_path).read_text(),
+                                                   Path(padded[0].ttir_path).read_text(), depths)
+    cost = ir_bill.padding_cost((mods[1], mods[0]), (mods[3], mods[2]), depths, masks)
+    return {"padding_ops_per_block": cost["per_block"], "padding_ops_per_forward": cost["per_forward"],
+            "padding_ops_in_fused_attention": cost["in_fused_attention"]}
 
 
 def report_exit_code(report: dict[str, Any]) -> int:
-    """:data:`EXIT_ERROR` when the compile failed, :data:`EXIT_CHECK_FAILED` when the bill or the
-    tile check failed, else :data:`EXIT_OK`."""
+    """:data:`EXIT_ERROR` when the compile failed, :data:`EXIT_CHECK_FAILED` when the bill, the
+    tile check or the fused attention's Q split failed, else :data:`EXIT_OK`."""
     if not report["ok"]:
         return EXIT_ERROR
-    return EXIT_OK if report["bill_ok"] and report["tile_aligned"] else EXIT_CHECK_FAILED
+    q_split = (report.get("sdpa") or {}).get("q_split", True)
+    return EXIT_OK if report["bill_ok"] and report["tile_aligned"] and q_split else EXIT_CHECK_FAILED
 
 
 def format_report(report: dict[str, Any], top: int = 25) -> str:
@@ -143,7 +150,8 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
     lines = [
         f"{report['variant']} ({report['size']}), {report['blocks']} blocks, mesh {report['mesh']} "
         f"(SP {report['sp']} x TP {report['tp']}), {report['resolution']} latent {tuple(report['latent'])}, "
-        f"padding {report['padding']}{'' if report['anchor'] else ', NO replicated anchor'}",
+        f"padding {report['padding']}{'' if report['anchor'] else ', NO replicated anchor'}, "
+        f"frontend {report.get('frontend', 'torchax')}",
     ]
     if report.get("tokens"):
         lines.append(f"tokens: {report['tokens']} -> padded {report['padded_tokens']}")
@@ -187,6 +195,21 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
             lines.append(f"ops only there because of padding ({report['padding']} vs unpadded), deallocations "
                          f"left out: per block: {fmt(report['padding_ops_per_block'])}; once per forward: "
                          f"{fmt(report['padding_ops_per_forward'])}")
+            if report.get("padding_ops_in_fused_attention"):
+                lines.append(f"  and per block inside the fused SDPA's compile-only decomposition: "
+                             f"{fmt(report['padding_ops_in_fused_attention'])} (the mask: an operand of the fused "
+                             "op on hardware)")
+    if report.get("design_bytes"):
+        b = report["design_bytes"]
+        lines.append(f"design bytes per device ({b['dtype']}): K or V gather over SP {format_bytes(b['sp_gather'])}, "
+                     f"large all-reduce over TP {format_bytes(b['tp_reduce'])}")
+    attention = report.get("sdpa")
+    if attention is not None:
+        lines.append(f"fused attention: {attention['count']} ttir.scaled_dot_product_attention "
+                     f"({attention.get('traced_fused')} traced fused, {attention.get('traced_plain')} plain); "
+                     f"Q split over SP: {'OK' if attention['q_split'] else 'NO (Q gathered)'}")
+        lines += [f"  {c['count']:>3} x Q {c['q']}  K {c['k']}  V {c['v']}" + (f"  mask {c['mask']}" if c["mask"] else "")
+                  for c in attention["calls"]]
     if report["bill_ok"]:
         lines.append("bill: OK (matches the design)")
     else:

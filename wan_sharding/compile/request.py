@@ -21,6 +21,11 @@ from ..plan import ShardingPlan
 
 # dtypes of the timestep input, as ``jax.numpy`` names them.
 TIMESTEP_DTYPES = ("float32", "bfloat16")
+# How the sharded DiT becomes the StableHLO that tt-mlir compiles:
+# - "torchax": the torch module run as a JAX function (abstract weights: the whole 14B model fits);
+# - "torch-xla": torch-xla SPMD's lowering, the graph Tenstorrent hardware compiles (GSPMD shardings
+#   converted to Shardy); needs real weights in host memory, so keep full-width traces short.
+FRONTENDS = ("torchax", "torch-xla")
 
 
 class CompileError(RuntimeError):
@@ -50,6 +55,9 @@ class CompileRequest:
         batch: batch size.
         resolution: display name of ``latent`` (e.g. ``"480p"``); informational.
         out_dir: where the compiler writes its IRs; a fresh temporary folder when ``None``.
+        frontend: ``"torchax"`` (default) or ``"torch-xla"`` (:data:`FRONTENDS`).
+        fused_sdpa: bf16 attention as Tenstorrent's fused SDPA composite, as hardware gets it
+            (``wan_sharding.fused_sdpa``); f32 attention stays plain math either way.
         plan: a whole :class:`~wan_sharding.plan.ShardingPlan` (axes and order of SP / TP, FSDP,
             activation layout, padding). When given, the model is sharded through the ordinary
             API with it (``shard_dit_specs(dit, plan)``, ``apply_dit_sp_activation_sharding(...,
@@ -70,6 +78,8 @@ class CompileRequest:
     batch: int = 1
     resolution: str | None = None
     out_dir: str | None = None
+    frontend: str = "torchax"
+    fused_sdpa: bool = True
     plan: ShardingPlan | None = None
 
     def __post_init__(self) -> None:
@@ -125,6 +135,8 @@ class CompileRequest:
             raise CompileError(f"unknown timestep dtype {self.timestep_dtype!r}; choose one of {TIMESTEP_DTYPES}")
         if self.batch < 1:
             raise CompileError(f"batch must be >= 1, got {self.batch}")
+        if self.frontend not in FRONTENDS:
+            raise CompileError(f"unknown frontend {self.frontend!r}; choose one of {', '.join(FRONTENDS)}")
         return self
 
     @property
@@ -142,7 +154,7 @@ class CompileRequest:
 
     def label(self) -> str:
         lat = self.resolution or "x".join(map(str, self.latent))
-        extra = "" if self.anchor else " no-anchor"
+        extra = ("" if self.anchor else " no-anchor") + ("" if self.frontend == "torchax" else f" [{self.frontend}]")
         if self.plan is not None:
             return f"{self.variant}/{self.size} {self.num_blocks}blk {lat} plan [{self.plan.name}]{extra}"
         return f"{self.variant}/{self.size} {self.num_blocks}blk {self.mesh} {lat} pad={self.padding}{extra}"
@@ -202,6 +214,11 @@ class CompileResult:
     padded_tokens: int | None = None
     sp_points: list[str] = field(default_factory=list)  # what the SP hooks constrained
     rss_mb: float | None = None
+    sdpa_fused: int | None = None  # attention calls traced as the fused SDPA composite
+    sdpa_plain: int | None = None  # attention calls left as plain math (not bf16)
+    trace_seconds: float | None = None  # torch-xla frontend: the trace in its own worker
+    trace_rss_mb: float | None = None  # torch-xla frontend: peak memory of that worker
+    stablehlo_path: str | None = None  # torch-xla frontend: the Shardy module tt-mlir compiled
     log: str = ""  # this request's slice of the worker log
 
     @property

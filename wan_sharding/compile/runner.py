@@ -32,6 +32,7 @@ from . import sysdesc
 from .request import CompileError, CompileRequest, CompileResult
 
 WORKER_MODULE = "wan_sharding.compile.worker"
+TRACE_MODULE = "wan_sharding.compile.xla_lowering"  # the torch-xla frontend's worker
 # Lines the worker writes into its log (stdout and stderr merged) around each request, so the log
 # can be cut into what the compiler printed for each (:func:`split_log`).
 BEGIN_MARK = "@@wan_sharding.compile begin "
@@ -115,6 +116,21 @@ def worker_env(descriptor: str | os.PathLike[str], tmpdir: str | os.PathLike[str
         env["TMPDIR"] = str(tmpdir)
     env.pop("JAX_PLATFORMS", None)  # the tt platform must be picked up
     env.pop("XLA_FLAGS", None)  # host device counts are for the CPU stack
+    return _importable(env)
+
+
+def trace_env(num_devices: int) -> dict[str, str]:
+    """Environment for a torch-xla frontend worker: torch-xla SPMD on ``num_devices`` CPU devices,
+    and nothing of the tt plugin."""
+    from ..backends.xla import XlaBackend
+
+    env = XlaBackend.cpu_env(num_devices)
+    env.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return _importable(env)
+
+
+def _importable(env: dict[str, str]) -> dict[str, str]:
     # The worker imports this package; make sure it finds the same copy as the caller.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
@@ -224,8 +240,13 @@ def compile_many(
     reqs = [r if r.out_dir else dataclasses.replace(r, out_dir=str(work / f"ir_{i:03d}")) for i, r in enumerate(reqs)]
 
     results: dict[int, CompileResult] = {}
-    pending = list(range(len(reqs)))
     deadline = time.monotonic() + timeout
+    traced = _trace_torch_xla(reqs, work, deadline, python, verbose)
+    for i, t in traced.items():
+        if not t.get("ok"):
+            results[i] = CompileResult(reqs[i], ok=False, error=t.get("error"), out_dir=reqs[i].out_dir,
+                                       log=t.get("log", ""))
+    pending = [i for i in range(len(reqs)) if i not in results]
     attempt = 0
     hung_at_start = 0
     while pending:
@@ -233,7 +254,8 @@ def compile_many(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CompileError("compile timeout reached before all requests were compiled")
-        params = {"requests": [{"index": i, **reqs[i].to_json()} for i in pending]}
+        params = {"requests": [{"index": i, **reqs[i].to_json(), **({"traced": traced[i]} if i in traced else {})}
+                               for i in pending]}
         log_file = work / f"worker_{attempt}.log"
         tmp = private_tmpdir(work)
         try:
@@ -277,6 +299,40 @@ def compile_many(
         )
         pending = left[1:]
     return [results[i] for i in range(len(reqs))]
+
+
+def _trace_torch_xla(reqs: list[CompileRequest], work: Path, deadline: float, python: str | None,
+                     verbose: bool) -> dict[int, dict[str, Any]]:
+    """Run the torch-xla frontend for the requests that ask for it: one trace worker per device
+    count (torch-xla SPMD sees a fixed number of devices per process). Returns ``{request index:
+    trace result}``; a trace that failed is a result with ``ok`` False."""
+    by_devices: dict[int, list[int]] = {}
+    for i, r in enumerate(reqs):
+        if r.frontend == "torch-xla":
+            by_devices.setdefault(r.num_devices, []).append(i)
+    traced: dict[int, dict[str, Any]] = {}
+    for n, indices in sorted(by_devices.items()):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CompileError("compile timeout reached before the torch-xla traces were done")
+        log_file = work / f"trace_{n}.log"
+        params = {"requests": [{"index": i, **reqs[i].to_json()} for i in indices]}
+        echo = contextlib.redirect_stdout(sys.stderr) if verbose else contextlib.nullcontext()
+        try:
+            with echo:
+                run = workers.run_worker(TRACE_MODULE, params, trace_env(n), label=f"torch-xla trace worker ({n} devices)",
+                                         log_file=log_file, timeout=remaining, echo=verbose, merge_stderr=True,
+                                         retries_on_stall=1, python=python)
+        except workers.WorkerError as e:
+            raise CompileError(str(e)) from e
+        for raw in run.results:
+            raw = dict(raw)
+            traced[raw.pop("index")] = raw
+        for i in indices:  # a trace worker that died (e.g. out of memory) leaves the rest without results
+            traced.setdefault(i, {"ok": False, "log": _tail(run.output),
+                                  "error": f"torch-xla trace worker ended (exit code {run.returncode}) before "
+                                           f"{reqs[i].label()} was traced; log: {log_file}"})
+    return traced
 
 
 def compile_dit(request: CompileRequest | None = None, arch: str = "wormhole_b0", **kwargs: Any) -> CompileResult:

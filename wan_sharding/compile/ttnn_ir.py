@@ -45,6 +45,7 @@ _DTYPE_BYTES = {
     "i16": 2, "si8": 1, "ui8": 1, "i8": 1, "i1": 1, "si64": 8, "ui64": 8, "i64": 8,
 }
 _OP = re.compile(r'"ttnn\.(\w+)"\(')
+_TTIR_SDPA = re.compile(r'"ttir\.scaled_dot_product_attention"\(')
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]\w*)")
 _INT_ATTR = re.compile(r"\b(\w+) = (-?\d+) : [su]?i\d+")
 _BOOL_ATTR = re.compile(r"\b(\w+) = (true|false)\b")
@@ -75,6 +76,15 @@ class TensorType:
 
     def __str__(self) -> str:
         return "x".join(map(str, self.shape)) + ("x" if self.shape else "") + self.dtype
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
 
 
 def tensor_types(text: str) -> tuple[TensorType, ...]:
@@ -124,13 +134,26 @@ def parse_op(line: str, lineno: int = 0, const_eval: bool = False) -> Op | None:
     m = _OP.search(line)
     if not m:
         return None
-    # head: `%r = "ttnn.x"(%a) <{attributes}>`; only the attributes there carry `name = value`.
+    return _typed_op(m.group(1), line, lineno, const_eval)
+
+
+def _typed_op(name: str, line: str, lineno: int, const_eval: bool = False) -> Op:
+    # head: `%r = "dialect.x"(%a) <{attributes}>`; only the attributes there carry `name = value`.
     head, _, tail = line.partition(" : (")
     operands_txt, arrow, results_txt = tail.partition(") -> ")
     attrs = {k: int(v) for k, v in _INT_ATTR.findall(head)}
     flags = {k: v == "true" for k, v in _BOOL_ATTR.findall(head)}
-    return Op(m.group(1), tensor_types(operands_txt), tensor_types(results_txt.split(" loc(")[0]), attrs, flags,
+    return Op(name, tensor_types(operands_txt), tensor_types(results_txt.split(" loc(")[0]), attrs, flags,
               lineno, const_eval, bool(arrow))
+
+
+def ttir_attention(text: str) -> list[Op]:
+    """The fused attention ops of a TTIR module (``"ttir.scaled_dot_product_attention"``), in text
+    order, with their per-device operand types (query, key, value[, mask]). TTIR is the stage
+    where the fused op still stands as one op: compile-only TTNN decomposes it (matmul, softmax,
+    matmul)."""
+    return [_typed_op("scaled_dot_product_attention", line, lineno)
+            for lineno, line in enumerate(text.splitlines(), 1) if _TTIR_SDPA.search(line)]
 
 
 @dataclass(frozen=True)

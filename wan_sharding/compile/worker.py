@@ -57,16 +57,17 @@ def compile_batch(params: dict[str, Any]) -> None:
     """The worker's job: compile every request of ``params`` and emit one result per request."""
     devices = _start()
     print(f"wan_sharding.compile.worker: {len(devices)} {devices[0].platform} devices", flush=True)
-    from .lowering import compile_in_process
+    from .lowering import compile_in_process, compile_traced
     from .request import CompileRequest
 
     for raw in params["requests"]:
         raw = dict(raw)
         index = raw.pop("index")
+        traced = raw.pop("traced", None)  # the torch-xla frontend's trace of this request
         req = CompileRequest.from_json(raw)
         print(f"{BEGIN_MARK}{index} {req.label()}", flush=True)
         try:
-            out = compile_in_process(req)
+            out = compile_traced(req, traced) if traced is not None else compile_in_process(req)
         except Exception as e:  # a setup error (not a compiler rejection): report, go on
             traceback.print_exc()
             out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}

@@ -1,4 +1,5 @@
-"""The PCC check: the sharded DiT against the unsharded one, on CPU virtual meshes.
+"""The PCC check: the sharded DiT against the unsharded one, on CPU virtual meshes (``xla``,
+``jax``) or on Tenstorrent chips (``tt``, with Tenstorrent's stack).
 
 One worker runs one backend on one mesh (torch-xla and JAX both read ``XLA_FLAGS`` and must not
 share a process). :func:`run_in_subprocess` starts ``python -m wan_sharding.jobs.check``; the
@@ -57,7 +58,8 @@ class Case:
 def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path | None = None,
                       timeout: float = 1200) -> list[dict[str, Any]]:
     """Run ``cases`` for one backend on one mesh in a fresh process; returns the result dicts,
-    each with ``ok``: PCC at or above the dtype's threshold."""
+    each with ``ok``: PCC at or above the dtype's threshold. BackendError, before any process
+    starts, when the backend's stack is missing (``tt`` without Tenstorrent's stack)."""
     from ..mesh import mesh_from_preset
 
     params = {"backend": backend, "mesh": mesh, "cases": [str(c) for c in cases],
@@ -127,4 +129,6 @@ def _job(params: dict[str, Any]):
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(_job))
+    from ..backends import BackendError
+
+    sys.exit(worker_main(_job, expected=(BackendError,)))

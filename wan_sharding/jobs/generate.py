@@ -45,8 +45,8 @@ def compare_in_subprocess(backend: str, meshes: list[str], variant: str = "t2v-a
     """Sharded vs unsharded pipeline latents for each mesh, in one worker process (JAX runs every
     mesh on a subset of one process's devices; torch-xla needs one process per mesh size).
     Each result also says whether ``remove()`` restored the pipeline exactly."""
-    if backend == "xla" and len({mesh_from_preset(m).num_devices for m in meshes}) > 1:
-        raise ValueError("the xla backend runs one device count per process; call once per mesh")
+    if backend in ("xla", "tt") and len({mesh_from_preset(m).num_devices for m in meshes}) > 1:
+        raise ValueError(f"the {backend} backend runs one device count per process; call once per mesh")
     params = dict(kind="compare", meshes=meshes, variant=variant, steps=steps, padding=padding, dtype=dtype,
                   seed=seed, backend=backend)
     run = run_worker(WORKER, params, worker_env(backend, num_devices(meshes)), label=f"{backend} worker (compare)",
@@ -193,7 +193,8 @@ def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    from ..backends import BackendError
     from ..pipeline.tiny import PipelineUnavailable
     from ..specs import ShardingError
 
-    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable)))
+    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable, BackendError)))

@@ -12,15 +12,26 @@ UNSHARDED = "unsharded"  # the one-device baseline a profile compares against
 
 
 def num_devices(meshes: Iterable[str]) -> int:
-    """CPU devices one worker needs to run every mesh in ``meshes``."""
+    """CPU devices one worker needs to run every mesh in ``meshes`` (a tt worker uses the chips)."""
     return max(1 if m == UNSHARDED else mesh_from_preset(m).num_devices for m in meshes)
 
 
+def check_stacks(backends: Iterable[str]) -> None:
+    """Before any worker starts: BackendError (one line: what is missing and how to get it) when
+    this machine lacks the stack one of ``backends`` runs on. Imports no stack."""
+    for backend in dict.fromkeys(backends):
+        if backend == "tt":
+            from ..backends.tt import check_tt_stack
+
+            check_tt_stack()
+
+
 def worker_env(backend: str, devices: int) -> dict[str, str]:
-    """The environment a worker process needs to run ``backend`` on ``devices`` CPU devices."""
+    """The environment a worker process needs to run ``backend`` on ``devices`` CPU devices, or,
+    for ``tt``, on this machine's Tenstorrent chips (BackendError when its stack is missing)."""
     from ..backends import backend_class
 
-    env = backend_class(backend).cpu_env(devices)
+    env = backend_class(backend).worker_env(devices)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # diffusers' Wan pipeline modules import transformers and (when installed) torch_xla, in a
     # JAX worker too: say which torch-xla device to use and keep their import noise down.
@@ -35,7 +46,11 @@ def worker_env(backend: str, devices: int) -> dict[str, str]:
 
 def prepare_worker(backend: str) -> None:
     """First thing in a worker: start the backend's stack the way the package needs it."""
-    if backend in ("xla", "tt"):
+    if backend == "tt":  # Shardy for tt-mlir, the TT device type, SPMD
+        from ..backends.tt import start_tt_runtime
+
+        start_tt_runtime()
+    elif backend == "xla":
         from ..backends.xla import enable_spmd
 
         enable_spmd()

@@ -4,7 +4,9 @@ The protocol: ``warmup`` iterations (the first compiles), then ``iters`` timed i
 forward plus the copy to the host; median / min / max reported, compile time apart. ``dit`` is one
 DiT forward; ``step`` a denoising step as the Wan pipelines do it (cond + uncond forward, CFG,
 scheduler step). The mesh ``unsharded`` is the baseline: the same backend on one device,
-replicated weights, no SP hooks. Runs in a worker (``python -m wan_sharding.jobs.profile``).
+replicated weights, no SP hooks (on ``tt`` only where the machine has one chip: torch-xla SPMD spans
+every chip it sees, and a larger machine refuses a one-device mesh with one line). Runs in a worker
+(``python -m wan_sharding.jobs.profile``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from ..workers import WorkerRun, run_worker, worker_main
 from .launch import UNSHARDED, mesh_arg, num_devices, prepare_worker, worker_env
 
 CPU_NOTE = "CPU virtual devices: timings compare configurations on this host; they are not hardware predictions"
+TT_NOTE = ("Tenstorrent devices: warm iterations reuse the forward compiled on the first one; "
+           "each includes copying the output to the host")
+
+
+def note_for(backend: str) -> str:
+    """What a profile's timings mean for ``backend``."""
+    return TT_NOTE if backend == "tt" else CPU_NOTE
 # Profile latents (F, H, W): "tiny" is the check's padded case (105 tokens); "small" 1950 tokens.
 PROFILE_LATENTS = {"tiny": (3, 10, 14), "small": (5, 30, 52)}
 WHAT = ("dit", "step")
@@ -130,7 +139,8 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             "compile_s": max(times[0] - (statistics.median(timed) if timed else 0.0), 0.0),
             "median_s": statistics.median(timed) if timed else None,
             "min_s": min(timed) if timed else None, "max_s": max(timed) if timed else None, "times_s": timed,
-            "forwards_per_iter": 1 if what == "dit" else 2, "note": CPU_NOTE,
+            "forwards_per_iter": 1 if what == "dit" else 2, "note": note_for(p["backend"]),
+            "compiles": getattr(backend, "compiles", None),  # tt: torch.compile calls so far
             "others_cpu_share": _others_share(marks[0], marks[-1]) if len(marks) == 2 else None,
             "host_cpus": os.cpu_count(),
         }
@@ -142,7 +152,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
                   f"(min {r['min_s']:.4f}, max {r['max_s']:.4f}) over {p['iters']}", flush=True)
     if sp is not None:
         sp.remove()
-    print(f"note: {CPU_NOTE}", flush=True)
+    print(f"note: {note_for(p['backend'])}", flush=True)
     return results
 
 
@@ -152,7 +162,8 @@ def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    from ..backends import BackendError
     from ..pipeline.tiny import PipelineUnavailable
     from ..specs import ShardingError
 
-    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable)))
+    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable, BackendError)))
