@@ -78,7 +78,7 @@ class FusedSDPA(TorchFunctionMode):
     def _pin(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         mesh = self.backend.mesh
-        if mesh.sp_axis is None:
+        if mesh.sp == 1:  # nothing is split over the sequence: nothing to pin
             return query, key, value, mask
         tp, sp = mesh.tp_axis, mesh.sp_axis
         constrain = self.backend.constrain

@@ -115,9 +115,9 @@ def _cpu_ticks(pid: int) -> int | None:
         return None
 
 
-def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float, state: dict) -> None:
+def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float | None, state: dict) -> None:
     """Kill ``proc`` past ``timeout``, or when its CPU time has not moved for ``stall_s`` (a
-    deadlocked process uses no CPU; a slow or starved one still does)."""
+    deadlocked process uses no CPU; a slow or starved one still does; ``None``: never)."""
     start = last_change = time.monotonic()
     last = _cpu_ticks(proc.pid)
     while proc.poll() is None:
@@ -126,7 +126,7 @@ def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float, state:
         ticks = _cpu_ticks(proc.pid)
         if ticks is None or ticks != last:
             last, last_change = ticks, now
-        if ticks is not None and now - last_change > stall_s:
+        if ticks is not None and stall_s is not None and now - last_change > stall_s:
             state["stalled"] = True
         elif timeout is not None and now - start > timeout:
             state["timed_out"] = True
@@ -138,7 +138,7 @@ def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float, state:
 
 def run_worker(module: str, params: Any, env: Mapping[str, str] | None = None, *, label: str,
                echo: bool = False, merge_stderr: bool | None = None, log_file: str | os.PathLike[str] | None = None,
-               timeout: float | None = None, stall_s: float = STALL_SECONDS, retries_on_stall: int = 1,
+               timeout: float | None = None, stall_s: float | None = STALL_SECONDS, retries_on_stall: int = 1,
                python: str | None = None) -> WorkerRun:
     """Run ``python -m module`` with ``params`` (JSON) on stdin until it exits.
 
@@ -153,7 +153,8 @@ def run_worker(module: str, params: Any, env: Mapping[str, str] | None = None, *
             straight to ours.
         log_file: also write every line of the log there.
         timeout: wall-clock seconds before the worker is killed.
-        stall_s: seconds without CPU progress before the worker counts as hung.
+        stall_s: seconds without CPU progress before the worker counts as hung (``None``: a
+            worker that may legitimately wait, e.g. on a device, is never taken for hung).
         retries_on_stall: how many times a hung worker is started again.
         python: the interpreter (default: this one).
 
@@ -184,7 +185,7 @@ def run_worker(module: str, params: Any, env: Mapping[str, str] | None = None, *
 
 
 def _run_once(cmd: list[str], payload: str, env: dict[str, str], label: str, echo: bool, merge: bool,
-              log_file: str | os.PathLike[str] | None, timeout: float | None, stall_s: float) -> WorkerRun:
+              log_file: str | os.PathLike[str] | None, timeout: float | None, stall_s: float | None) -> WorkerRun:
     # Unmerged stderr goes to ours (echo) or to a file, never a pipe we do not read: a chatty
     # worker (XLA warnings) would block on a full pipe and look hung.
     err: IO[str] | int | None

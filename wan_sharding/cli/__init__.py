@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..workers import install_signal_handlers
 
-    # This CLI only ever drives torch-xla on CPU virtual devices (in its worker processes); say so
-    # up front instead of letting torch-xla warn about defaulting to it on import.
+    # The CLI process itself never runs a stack (its workers do, each with its own environment:
+    # the tt backend's workers set PJRT_DEVICE=TT); say CPU up front so an import of torch-xla
+    # here does not warn about defaulting to it.
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     install_signal_handlers()  # SIGTERM unwinds like Ctrl-C, so workers are stopped
     argv = sys.argv[1:] if argv is None else argv

@@ -49,7 +49,8 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         "tokens": main.tokens, "padded_tokens": main.padded_tokens,
         "compile_seconds": main.compile_seconds, "lower_seconds": main.lower_seconds,
         "build_lower_compile_seconds": main.total_seconds, "rss_mb": main.rss_mb,
-        "ttnn_path": main.ttnn_path,
+        "ttnn_path": main.ttnn_path, "ttir_path": main.ttir_path, "stablehlo_path": main.stablehlo_path,
+        "trace_seconds": main.trace_seconds, "trace_rss_mb": main.trace_rss_mb,
         "design": {f"{k}/{s}/{a}": n for (k, s, a), n in ir_bill.design_bill(mesh).items()},
     }
     if not main.ok:
@@ -62,8 +63,15 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
                  if main.ttir_path else None)
     if attention is not None:
         attention.update(traced_fused=main.sdpa_fused, traced_plain=main.sdpa_plain)
+    flatbuffers = sorted(Path(main.out_dir).glob("*.ttnn")) if main.out_dir else []
+    constants = [op for op in module.op_list if op.name == "constant"]
     report.update(
         sdpa=attention,
+        # What the program carries: the flatbuffer tt-mlir wrote (runtime program + constants), the
+        # TTNN text, and the constants baked into it (e.g. index tables of a scatter).
+        flatbuffer_bytes=flatbuffers[-1].stat().st_size if flatbuffers else None,
+        ttnn_ir_bytes=Path(main.ttnn_path).stat().st_size,
+        constant_bytes=sum(op.results[0].bytes for op in constants if op.results), constants=len(constants),
         ops=module.histogram(),
         collectives=ir_bill.collective_table(module, mesh),
         tile_aligned=tiles["aligned"], token_dims=tiles["token_dims"], misaligned=tiles["misaligned"],
@@ -89,11 +97,13 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
 
 
 def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0", *, timeout: float = 3600.0,
-                    work_dir: str | Path | None = None, verbose: bool = False) -> list[dict[str, Any]]:
+                    work_dir: str | Path | None = None, verbose: bool = False,
+                    padding_cost: bool = True) -> list[dict[str, Any]]:
     """Compile each request and its shallow twin in one worker batch; one report per request.
 
-    A padded request also gets the same two depths compiled unpadded, so the report can name
-    the ops that are there only because of padding (``padding_ops_per_block`` / ``_per_forward``).
+    A padded request also gets the same two depths compiled unpadded (unless ``padding_cost`` is
+    False), so the report can name the ops that are there only because of padding
+    (``padding_ops_per_block`` / ``_per_forward``).
     """
     def twin(r: CompileRequest, suffix: str, **changes: Any) -> CompileRequest:
         out = None if r.out_dir is None else str(Path(r.out_dir).with_name(Path(r.out_dir).name + suffix))
@@ -102,18 +112,18 @@ def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0
     groups = []
     for r in requests:
         group = [r, twin(r, "_base", blocks=base_depth(r.num_blocks))]
-        if r.padding != "none":
+        if r.padding != "none" and padding_cost:
             group += [twin(g, "_unpadded", padding="none") for g in group]
         groups.append(group)
     flat = [g for group in groups for g in group]
     results = iter(compile_many(flat, arch, timeout=timeout, work_dir=work_dir, verbose=verbose))
     reports = []
-    for group in groups:
+    for r, group in zip(requests, groups):
         res = [next(results) for _ in group]
         report = build_report(res[0], res[1])
         if len(res) == 4:
             report.update(padding_report(res[:2], res[2:]))
-        else:  # unpadded: nothing is there because of padding
+        elif r.padding == "none":  # unpadded: nothing is there because of padding
             report.update(padding_ops_per_block={}, padding_ops_per_forward={})
         reports.append(report)
     return reports

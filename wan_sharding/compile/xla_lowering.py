@@ -89,7 +89,7 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
         workers.atomic_write(out_dir / GSPMD_FILE, gspmd)
         workers.atomic_write(out_dir / SHARDY_FILE, shardy)
         return {
-            "ok": True, "stablehlo_path": str(out_dir / SHARDY_FILE), "trace_seconds": round(t2 - t1, 3),
+            "ok": True, "stablehlo_path": str(out_dir / SHARDY_FILE), "trace_seconds": round(t2 - t0, 3),
             "build_seconds": round(t1 - t0, 3), "sp_points": handle.points, "tokens": handle.state.valid_len,
             "padded_tokens": handle.state.padded_len, "sdpa_fused": fused.fused if fused is not None else 0,
             "sdpa_plain": fused.plain if fused is not None else None,

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from ..options import DEFAULT_PADDING
 from ..workers import WorkerError, run_worker, worker_main
-from .launch import prepare_worker, worker_env
+from .launch import prepare_worker, stall_seconds, worker_env
 from .pcc import PCC_THRESHOLDS, compare
 
 # Latent shapes of the embedded tiny cases. ``aligned``: 256 tokens, a multiple of SP*32 for every
@@ -65,7 +65,7 @@ def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path
     params = {"backend": backend, "mesh": mesh, "cases": [str(c) for c in cases],
               "save": None if save is None else str(save)}
     run = run_worker("wan_sharding.jobs.check", params, worker_env(backend, mesh_from_preset(mesh).num_devices),
-                     label=f"{backend} check worker on {mesh}", timeout=timeout)
+                     label=f"{backend} check worker on {mesh}", timeout=timeout, stall_s=stall_seconds(backend))
     if not run.ok:
         raise WorkerError(f"{backend} worker on {mesh} failed (exit {run.returncode}):\n{run.output[-4000:]}")
     for r in run.results:

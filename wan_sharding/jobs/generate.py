@@ -23,7 +23,7 @@ from typing import Any
 from ..mesh import mesh_from_preset
 from ..options import DEFAULT_PADDING, torch_dtype
 from ..workers import WorkerError, WorkerRun, atomic_write, emit, run_worker, worker_main
-from .launch import mesh_arg, num_devices, prepare_worker, worker_env
+from .launch import mesh_arg, num_devices, prepare_worker, stall_seconds, worker_env
 from .pcc import PIPELINE_PCC_THRESHOLDS, compare
 
 WORKER = "wan_sharding.jobs.generate"
@@ -36,7 +36,8 @@ def run_generate(params: dict[str, Any], echo: bool = True) -> WorkerRun:
     """Run one ``generate`` (``params``: the command's options) in a worker; its lines are printed
     as they come when ``echo``."""
     return run_worker(WORKER, {"kind": "generate", **params}, worker_env(params["backend"], num_devices([params["mesh"]])),
-                      label=f"{params['backend']} worker (generate)", echo=echo)
+                      label=f"{params['backend']} worker (generate)", echo=echo,
+                      stall_s=stall_seconds(params["backend"]))
 
 
 def compare_in_subprocess(backend: str, meshes: list[str], variant: str = "t2v-a14b", steps: int = 2,
@@ -49,7 +50,7 @@ def compare_in_subprocess(backend: str, meshes: list[str], variant: str = "t2v-a
         raise ValueError(f"the {backend} backend runs one device count per process; call once per mesh")
     params = dict(kind="compare", meshes=meshes, variant=variant, steps=steps, padding=padding, dtype=dtype,
                   seed=seed, backend=backend)
-    run = run_worker(WORKER, params, worker_env(backend, num_devices(meshes)), label=f"{backend} worker (compare)",
+    run = run_worker(WORKER, params, worker_env(backend, num_devices(meshes)), label=f"{backend} worker (compare)", stall_s=stall_seconds(backend),
                      timeout=timeout)
     if not run.ok:
         raise WorkerError(f"{backend} compare worker failed (exit {run.returncode}):\n{run.output[-4000:]}")

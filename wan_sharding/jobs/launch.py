@@ -44,6 +44,15 @@ def worker_env(backend: str, devices: int) -> dict[str, str]:
     return env
 
 
+def stall_seconds(backend: str) -> float | None:
+    """How long a worker of ``backend`` may go without CPU progress before it counts as hung: the
+    watchdog is for the jaxlib deadlock on CPU workers; a tt worker waits on its chips (compiles,
+    device runs) with an idle CPU, so it is never taken for hung (a timeout still applies)."""
+    from ..workers import STALL_SECONDS
+
+    return None if backend == "tt" else STALL_SECONDS
+
+
 def prepare_worker(backend: str) -> None:
     """First thing in a worker: start the backend's stack the way the package needs it."""
     if backend == "tt":  # Shardy for tt-mlir, the TT device type, SPMD

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from ..workers import WorkerRun, run_worker, worker_main
-from .launch import UNSHARDED, mesh_arg, num_devices, prepare_worker, worker_env
+from .launch import UNSHARDED, mesh_arg, num_devices, prepare_worker, stall_seconds, worker_env
 
 CPU_NOTE = "CPU virtual devices: timings compare configurations on this host; they are not hardware predictions"
 TT_NOTE = ("Tenstorrent devices: warm iterations reuse the forward compiled on the first one; "
@@ -40,7 +40,8 @@ def run_profile(params: dict[str, Any], echo: bool = True, timeout: float | None
     """Run one profile (``params``: the command's options) in a worker; one result per ``what``."""
     return run_worker("wan_sharding.jobs.profile", params,
                       worker_env(params["backend"], num_devices([params["mesh"]])),
-                      label=f"{params['backend']} worker (profile)", echo=echo, timeout=timeout)
+                      label=f"{params['backend']} worker (profile)", echo=echo, timeout=timeout,
+                      stall_s=stall_seconds(params["backend"]))
 
 
 # ------------------------------------------------------------------------------------ worker side
