@@ -328,10 +328,16 @@ def _trace_torch_xla(reqs: list[CompileRequest], work: Path, deadline: float, py
         for raw in run.results:
             raw = dict(raw)
             traced[raw.pop("index")] = raw
-        for i in indices:  # a trace worker that died (e.g. out of memory) leaves the rest without results
+        # A trace worker that died leaves the rest without results. SIGKILL with no watchdog
+        # involved is the kernel's OOM killer: torch-xla holds every weight shard once per virtual
+        # device, so SP multiplies the host memory a trace needs.
+        oom = run.returncode == -9 and not (run.stalled or run.timed_out)
+        why = ("killed, most likely out of host memory (torch-xla keeps each weight shard once per virtual "
+               "device: fewer blocks or a smaller mesh fit)" if oom else f"ended (exit code {run.returncode})")
+        for i in indices:
             traced.setdefault(i, {"ok": False, "log": _tail(run.output),
-                                  "error": f"torch-xla trace worker ended (exit code {run.returncode}) before "
-                                           f"{reqs[i].label()} was traced; log: {log_file}"})
+                                  "error": f"torch-xla trace worker {why} before {reqs[i].label()} was traced; "
+                                           f"log: {log_file}"})
     return traced
 
 
