@@ -36,6 +36,8 @@ def reports(tmp_path_factory) -> dict[str, dict]:
         "torchax": _tiny("torchax"),
         "torch-xla": _tiny("torch-xla"),
         "torch-xla/plain": _tiny("torch-xla", fused_sdpa=False),
+        "torchax/rope": _tiny("torchax", patches=("rope",)),
+        "torch-xla/rope": _tiny("torch-xla", patches=("rope",)),
     }
     work = tmp_path_factory.mktemp("frontends")
     out = compile_reports([r for r in reqs.values()], "wormhole_b0", timeout=900, work_dir=work)
@@ -141,3 +143,17 @@ def test_fused_sdpa_in_a_sharded_jax_trace_matches_the_unsharded_model():
 
     pcc, max_abs = compare(ref, out)
     assert pcc > 0.99 and max_abs < 0.1  # bf16 bounds of the suite
+
+
+@needs_plugin
+@pytest.mark.parametrize("frontend", ["torchax", "torch-xla"])
+def test_half_rotation_rope_patch_removes_the_rotary_scatter(reports, frontend):
+    vanilla, patched = reports[frontend], reports[f"{frontend}/rope"]
+    assert vanilla["ops"].get("rows_scatter", 0) > 0  # diffusers' interleaved rotary write
+    assert patched["ok"] and patched["patches"] == ["rope"]
+    assert patched["ops"].get("rows_scatter", 0) == 0
+    # torch-xla bakes the scatter's per-element indices into the program as constants; torchax does not.
+    if frontend == "torch-xla":
+        assert patched["constant_bytes"] < vanilla["constant_bytes"] / 4
+    assert patched["constant_bytes"] <= vanilla["constant_bytes"]
+    assert patched["bill_ok"] and patched["sdpa"]["q_split"], patched.get("bill_problems")

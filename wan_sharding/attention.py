@@ -103,7 +103,10 @@ class SliceKV(_PaddedAttention):
     mode = "slice"
 
     def padded_call(self, attn, hidden_states, rotary_emb, **kwargs):
-        return self.attend(attn, hidden_states, rotary_emb, self.state.valid_len)
+        # Hook point: a wrapped processor that restates attention itself (``wan_sharding.patches``)
+        # provides the same ``attend`` and slices its own K/V; the stock processor gets ours.
+        attend = getattr(self.inner, "attend", None) or self.attend
+        return attend(attn, hidden_states, rotary_emb, self.state.valid_len)
 
     def attend(self, attn, hidden_states, rotary_emb, keep: int):
         from diffusers.models.attention_dispatch import dispatch_attention_fn

@@ -59,6 +59,10 @@ WAN_TP_PLAN: Mapping[str, str] = {
     "blocks.*.attn1.norm_q": NORM_COLWISE,  # RMSNorm across all heads: stats all-reduce
     "blocks.*.attn1.norm_k": NORM_COLWISE,
     "blocks.*.attn1.to_out.0": ROWWISE,  # all-reduce
+    # the ``qkv`` patch's fused projections (wan_sharding.patches.qkv): rows interleaved per TP
+    # shard, so the plain colwise split gives every device whole heads of q, k and v
+    "blocks.*.attn1.to_qkv": COLWISE,
+    "blocks.*.attn2.to_kv": COLWISE,
     "blocks.*.attn2.to_q": COLWISE,
     "blocks.*.attn2.to_k": COLWISE,  # K/V from the SP-replicated prompt: no SP all-gather
     "blocks.*.attn2.to_v": COLWISE,

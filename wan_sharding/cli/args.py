@@ -56,3 +56,11 @@ def stack_missing(backends: Iterable[str]) -> bool:
         print(f"wan-sharding: {e}", file=sys.stderr)
         return True
     return False
+
+
+def add_patches(ap: argparse.ArgumentParser) -> None:
+    """``--patches NAME ...``: opt-in model rewrites applied before sharding (``wan_sharding.patches``)."""
+    from ..patches import PATCHES
+
+    ap.add_argument("--patches", nargs="+", default=[], choices=list(PATCHES), metavar="PATCH",
+                    help=f"model rewrites applied before sharding: {', '.join(PATCHES)} (default none)")

@@ -12,7 +12,7 @@ from ..jobs.pcc import PCC_THRESHOLDS
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
 from ..options import CPU_BACKENDS, DEFAULT_PADDING, EXECUTING_BACKENDS
-from .args import add_dtype, add_mesh, add_padding, preset, stack_missing
+from .args import add_dtype, add_mesh, add_padding, add_patches, preset, stack_missing
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 
@@ -20,7 +20,7 @@ DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 def _check(args: argparse.Namespace) -> int:
     if stack_missing(args.backends):
         return 1
-    cases = [Case(args.variant, length, args.dtype, args.padding) for length in args.lengths]
+    cases = [Case(args.variant, length, args.dtype, args.padding, "+".join(args.patches)) for length in args.lengths]
     rows: list[dict[str, Any]] = []
     failed = False
     start = time.perf_counter()
@@ -88,6 +88,7 @@ def add_subcommands(sub: Any) -> None:
                        help="'aligned' (256 tokens), 'padded' (105 tokens) or a latent shape F,H,W")
     add_dtype(check, "fp32")
     add_padding(check, DEFAULT_PADDING)
+    add_patches(check)
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=_check)
 

@@ -24,7 +24,7 @@ from ..compile.request import FRONTENDS
 from ..models import RESOLUTIONS, VARIANTS
 from ..options import DEFAULT_PADDING
 from ..workers import atomic_write
-from .args import add_dtype, add_padding
+from .args import add_dtype, add_padding, add_patches
 
 
 def _cmd_sysdesc(args: argparse.Namespace) -> int:
@@ -61,7 +61,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         req = CompileRequest(
             variant=args.variant, mesh=args.mesh, latent=latent, blocks=blocks, size=args.size,
             padding=args.padding, anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
-            frontend=args.frontend, fused_sdpa=not args.no_fused_sdpa,
+            frontend=args.frontend, fused_sdpa=not args.no_fused_sdpa, patches=tuple(args.patches),
             resolution=args.resolution if args.latent is None else None,
             out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
         ).validate()
@@ -114,6 +114,7 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("--frontend", choices=list(FRONTENDS), default="torchax",
                    help="torchax: the DiT as a JAX function, abstract weights (any depth); torch-xla: the lowering "
                         "Tenstorrent hardware compiles (real weights in host memory: keep full width to a few blocks)")
+    add_patches(c)
     c.add_argument("--no-fused-sdpa", action="store_true",
                    help="leave bf16 attention as plain math instead of Tenstorrent's fused SDPA composite")
     c.add_argument("--no-anchor", action="store_true",

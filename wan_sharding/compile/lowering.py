@@ -55,6 +55,10 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
     dtype = torch_dtype(req.dtype)
     overrides = {} if req.blocks is None else {"num_layers": req.blocks}
     dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides)
+    if req.patches:  # rewrites first, then specs and SP (wan_sharding.patches)
+        from ..patches import apply_patches
+
+        apply_patches(dit, req.patches, mesh=req.plan if req.plan is not None else mesh)
     # With a plan: the ordinary API, given the plan (its roles, FSDP, layout and padding apply).
     specs = shard_dit_specs(dit, req.plan) if req.plan is not None else shard_dit_specs(dit, mesh)
     backend = JaxBackend(mesh, devices=list(devices[: mesh.num_devices]))

@@ -45,7 +45,7 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         "resolution": req.resolution or "x".join(map(str, req.latent)),
         "latent": list(req.latent), "variant": req.variant, "size": req.size, "blocks": req.num_blocks,
         "padding": req.padding, "anchor": req.anchor, "dtype": req.dtype, "frontend": req.frontend,
-        "fused_sdpa": req.fused_sdpa,
+        "fused_sdpa": req.fused_sdpa, "patches": list(req.patches),
         "tokens": main.tokens, "padded_tokens": main.padded_tokens,
         "compile_seconds": main.compile_seconds, "lower_seconds": main.lower_seconds,
         "build_lower_compile_seconds": main.total_seconds, "rss_mb": main.rss_mb,

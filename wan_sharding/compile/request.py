@@ -58,6 +58,8 @@ class CompileRequest:
         frontend: ``"torchax"`` (default) or ``"torch-xla"`` (:data:`FRONTENDS`).
         fused_sdpa: bf16 attention as Tenstorrent's fused SDPA composite, as hardware gets it
             (``wan_sharding.fused_sdpa``); f32 attention stays plain math either way.
+        patches: model rewrites applied before sharding (``wan_sharding.patches``), e.g.
+            ``("rope",)``.
         plan: a whole :class:`~wan_sharding.plan.ShardingPlan` (axes and order of SP / TP, FSDP,
             activation layout, padding). When given, the model is sharded through the ordinary
             API with it (``shard_dit_specs(dit, plan)``, ``apply_dit_sp_activation_sharding(...,
@@ -80,9 +82,11 @@ class CompileRequest:
     out_dir: str | None = None
     frontend: str = "torchax"
     fused_sdpa: bool = True
+    patches: tuple[str, ...] = ()
     plan: ShardingPlan | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "patches", tuple(self.patches))
         try:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
         except ValueError:
@@ -137,6 +141,11 @@ class CompileRequest:
             raise CompileError(f"batch must be >= 1, got {self.batch}")
         if self.frontend not in FRONTENDS:
             raise CompileError(f"unknown frontend {self.frontend!r}; choose one of {', '.join(FRONTENDS)}")
+        from ..patches import PATCHES
+
+        unknown = [p for p in self.patches if p not in PATCHES]
+        if unknown or len(set(self.patches)) != len(self.patches):
+            raise CompileError(f"patches must be distinct names from {', '.join(PATCHES)}, got {list(self.patches)}")
         return self
 
     @property
@@ -154,7 +163,8 @@ class CompileRequest:
 
     def label(self) -> str:
         lat = self.resolution or "x".join(map(str, self.latent))
-        extra = ("" if self.anchor else " no-anchor") + ("" if self.frontend == "torchax" else f" [{self.frontend}]")
+        extra = (("" if self.anchor else " no-anchor") + ("" if self.frontend == "torchax" else f" [{self.frontend}]")
+                 + (f" +{'+'.join(self.patches)}" if self.patches else ""))
         if self.plan is not None:
             return f"{self.variant}/{self.size} {self.num_blocks}blk {lat} plan [{self.plan.name}]{extra}"
         return f"{self.variant}/{self.size} {self.num_blocks}blk {self.mesh} {lat} pad={self.padding}{extra}"
@@ -162,6 +172,7 @@ class CompileRequest:
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["latent"] = list(self.latent)
+        d["patches"] = list(self.patches)
         d["plan"] = None if self.plan is None else self.plan.to_dict()
         return d
 

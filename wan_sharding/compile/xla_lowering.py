@@ -57,6 +57,10 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
     overrides = {} if req.blocks is None else {"num_layers": req.blocks}
     # Uninitialised host weights: a compile reads shapes and dtypes, never values.
     dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides).to_empty(device="cpu")
+    if req.patches:  # rewrites first, then specs and SP (wan_sharding.patches)
+        from ..patches import apply_patches
+
+        apply_patches(dit, req.patches, mesh=req.plan if req.plan is not None else mesh)
     specs = shard_dit_specs(dit, req.plan) if req.plan is not None else shard_dit_specs(dit, mesh)
     backend = XlaBackend(mesh)
     backend.place(dit, specs)

@@ -32,10 +32,11 @@ class Case:
     length: str = "padded"  # a key of CASE_LATENTS, or "F,H,W"
     dtype: str = "fp32"
     padding: str = DEFAULT_PADDING
+    patches: str = ""  # model rewrites for the sharded model, "+"-joined (wan_sharding.patches)
 
     @property
     def key(self) -> str:
-        return f"{self.variant}-{self.length}-{self.dtype}-{self.padding}"
+        return f"{self.variant}-{self.length}-{self.dtype}-{self.padding}" + (f"-{self.patches}" if self.patches else "")
 
     def latent(self):
         from ..models import LatentShape
@@ -45,11 +46,10 @@ class Case:
 
     @classmethod
     def parse(cls, text: str) -> "Case":
-        variant, length, dtype, padding = text.split(":")
-        return cls(variant, length, dtype, padding)
+        return cls(*text.split(":"))
 
     def __str__(self) -> str:
-        return f"{self.variant}:{self.length}:{self.dtype}:{self.padding}"
+        return f"{self.variant}:{self.length}:{self.dtype}:{self.padding}" + (f":{self.patches}" if self.patches else "")
 
 
 # ------------------------------------------------------------------------------------ parent side
@@ -93,6 +93,10 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
     start = time.perf_counter()
     sharded = copy.deepcopy(dit)  # the xla backend moves the model to the device
     backend = get_backend(backend_name, mesh_name)
+    if case.patches:  # rewrites on the sharded copy only: the reference stays the vanilla model
+        from ..patches import apply_patches
+
+        apply_patches(sharded, case.patches.split("+"), mesh=backend.mesh)
     specs = shard_dit_specs(sharded, backend.mesh)
     placed = backend.place(sharded, specs)
     handle = apply_dit_sp_activation_sharding(sharded, backend.mesh, backend=backend, padding=case.padding)
