@@ -31,35 +31,11 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from wan_sharding.compile import FRONTENDS, CompileRequest, compile_reports, latent_for, sysdesc  # noqa: E402
-from wan_sharding.compile.ttnn_ir import format_bytes  # noqa: E402
+from wan_sharding.compile.report import comparison_row  # noqa: E402
 from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
-
-KEY_OPS = ("matmul", "linear", "softmax", "rows_scatter", "scatter", "typecast", "all_gather", "all_reduce")
-
 
 def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
-
-
-def row(r: dict) -> dict:
-    """The figures compared, from one report."""
-    if not r["ok"]:
-        return {"frontend": r["frontend"], "ok": False, "error": str(r.get("error"))[:200]}
-    gathers = [e for e in r.get("per_block_entries", []) if e["kind"] == "all_gather"]
-    sdpa = r.get("sdpa") or {}
-    return {
-        "frontend": r["frontend"], "ok": True, "mesh": r["mesh"], "resolution": r["resolution"],
-        "ops_per_block": {k: r.get("per_block_ops", {}).get(k, 0) for k in KEY_OPS},
-        "ops_total": sum(r["ops"].values()),
-        "per_block": r.get("per_block_totals"), "bill_ok": r["bill_ok"], "bill_problems": r.get("bill_problems", []),
-        "sp_gather": [f"{e['count']:g} x {e['payload']} {format_bytes(e['bytes'])}" for e in gathers],
-        "collective_bytes_per_block": sum(e["count"] * e["bytes"] for e in r.get("per_block_entries", [])),
-        "sdpa_fused": sdpa.get("count"), "q_split": sdpa.get("q_split"),
-        "flatbuffer_bytes": r.get("flatbuffer_bytes"), "ttnn_ir_bytes": r.get("ttnn_ir_bytes"),
-        "constant_bytes": r.get("constant_bytes"),
-        "compile_seconds": r["compile_seconds"], "trace_seconds": r.get("trace_seconds") or r.get("lower_seconds"),
-        "trace_rss_mb": r.get("trace_rss_mb") or r.get("rss_mb"),
-    }
 
 
 def markdown(pairs: list[tuple[str, str, list[dict]]]) -> str:
@@ -111,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             work = Path(tmp) / f"{mesh}-{res}"
             reports = compile_reports(reqs, args.arch, timeout=args.timeout, work_dir=work, verbose=args.verbose,
                                       padding_cost=False)
-            rows = [row(r) for r in reports]
+            rows = [comparison_row(r) for r in reports]
             pairs.append((mesh, res, rows))
             runs += rows
             print("\n".join(markdown([(mesh, res, rows)]).splitlines()[2:]), file=sys.stderr, flush=True)

@@ -233,3 +233,36 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
     else:
         lines.append("tile alignment: OK (SP = 1: nothing is split over the token dim)")
     return "\n".join(lines)
+
+
+# Per-block op kinds worth comparing between lowerings and rewrites.
+COMPARED_OPS = ("matmul", "linear", "softmax", "rows_scatter", "scatter", "typecast", "reshape", "permute",
+                "all_gather", "all_reduce")
+
+
+def comparison_row(report: dict[str, Any]) -> dict[str, Any]:
+    """The figures a side-by-side benchmark compares, from one report: ops per block, the bill and
+    its bytes, fused attention, program sizes (flatbuffer, TTNN text, baked constants), times."""
+    base = {"frontend": report.get("frontend"), "patches": report.get("patches", []), "mesh": report["mesh"],
+            "resolution": report["resolution"]}
+    if not report["ok"]:
+        return {**base, "ok": False, "error": str(report.get("error"))[:200]}
+    entries = report.get("per_block_entries", [])
+    sdpa = report.get("sdpa") or {}
+    return {
+        **base, "ok": True,
+        "ops_per_block": {k: report.get("per_block_ops", {}).get(k, 0) for k in COMPARED_OPS},
+        "ops_per_block_total": sum(report.get("per_block_ops", {}).values()),
+        "ops_total": sum(report["ops"].values()),
+        "per_block": report.get("per_block_totals"), "bill_ok": report["bill_ok"],
+        "bill_problems": report.get("bill_problems", []),
+        "sp_gather": [f"{e['count']:g} x {e['payload']} {format_bytes(e['bytes'])}" for e in entries
+                      if e["kind"] == "all_gather"],
+        "collective_bytes_per_block": sum(e["count"] * e["bytes"] for e in entries),
+        "sdpa_fused": sdpa.get("count"), "q_split": sdpa.get("q_split"),
+        "flatbuffer_bytes": report.get("flatbuffer_bytes"), "ttnn_ir_bytes": report.get("ttnn_ir_bytes"),
+        "constant_bytes": report.get("constant_bytes"),
+        "compile_seconds": report["compile_seconds"],
+        "trace_seconds": report.get("trace_seconds") or report.get("lower_seconds"),
+        "trace_rss_mb": report.get("trace_rss_mb") or report.get("rss_mb"),
+    }

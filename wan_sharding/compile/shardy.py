@@ -102,11 +102,12 @@ def _strip_metadata(body: str) -> str:
         body = (body[:i] + body[j + 1:]).strip()
 
 
-def _split_top(body: str) -> list[str]:
-    """Split a tuple sharding's body at commas outside braces/brackets/strings."""
-    parts, depth, start, in_str, i = [], 0, 0, False, 0
-    while i < len(body):
-        c = body[i]
+def _walk(s: str, i: int = 0, opens: str = "{[(", closes: str = "}])"):
+    """Yield ``(index, char, depth after it)`` for the characters of ``s`` from ``i`` that lie outside
+    quoted strings, counting bracket depth (``->`` is an arrow, not a closing ``>``)."""
+    depth, in_str = 0, False
+    while i < len(s):
+        c = s[i]
         if in_str:
             if c == "\\":
                 i += 1
@@ -114,14 +115,22 @@ def _split_top(body: str) -> list[str]:
                 in_str = False
         elif c == '"':
             in_str = True
-        elif c in "{[(":
-            depth += 1
-        elif c in "}])":
-            depth -= 1
-        elif c == "," and depth == 0:
+        else:
+            if c in opens:
+                depth += 1
+            elif c in closes and not (c == ">" and s[i - 1] == "-"):
+                depth -= 1
+            yield i, c, depth
+        i += 1
+
+
+def _split_top(body: str) -> list[str]:
+    """Split a tuple sharding's body at commas outside braces/brackets/strings."""
+    parts, start = [], 0
+    for i, c, depth in _walk(body):
+        if c == "," and depth == 0:
             parts.append(body[start:i].strip())
             start = i + 1
-        i += 1
     parts.append(body[start:].strip())
     return parts
 
@@ -407,23 +416,9 @@ class _Converter:
 
 def _close_paren(s: str, i: int) -> int:
     """Index of the bracket closing the one at ``s[i]``, skipping quoted strings."""
-    depth, in_str = 0, False
-    while i < len(s):
-        c = s[i]
-        if in_str:
-            if c == "\\":
-                i += 1
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "([{<":
-            depth += 1
-        elif c in ")]}>" and not (c == ">" and s[i - 1] == "-"):
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
+    for j, c, depth in _walk(s, i, "([{<", ")]}>"):
+        if depth == 0 and c in ")]}>":
+            return j
     return len(s)
 
 
