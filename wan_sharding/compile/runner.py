@@ -303,24 +303,23 @@ def compile_many(
 
 def _trace_torch_xla(reqs: list[CompileRequest], work: Path, deadline: float, python: str | None,
                      verbose: bool) -> dict[int, dict[str, Any]]:
-    """Run the torch-xla frontend for the requests that ask for it: one trace worker per device
-    count (torch-xla SPMD sees a fixed number of devices per process). Returns ``{request index:
-    trace result}``; a trace that failed is a result with ``ok`` False."""
-    by_devices: dict[int, list[int]] = {}
-    for i, r in enumerate(reqs):
-        if r.frontend == "torch-xla":
-            by_devices.setdefault(r.num_devices, []).append(i)
+    """Run the torch-xla frontend for the requests that ask for it: one fresh trace worker per
+    request (torch-xla SPMD sees a fixed number of devices per process, and the weights a trace
+    placed stay in that process: a full-width trace needs all of the host memory it can get).
+    Returns ``{request index: trace result}``; a trace that failed is a result with ``ok`` False."""
     traced: dict[int, dict[str, Any]] = {}
-    for n, indices in sorted(by_devices.items()):
+    for i, r in enumerate(reqs):
+        if r.frontend != "torch-xla":
+            continue
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CompileError("compile timeout reached before the torch-xla traces were done")
-        log_file = work / f"trace_{n}.log"
-        params = {"requests": [{"index": i, **reqs[i].to_json()} for i in indices]}
+        log_file = work / f"trace_{i:03d}.log"
+        params = {"requests": [{"index": i, **reqs[i].to_json()}]}
         echo = contextlib.redirect_stdout(sys.stderr) if verbose else contextlib.nullcontext()
         try:
             with echo:
-                run = workers.run_worker(TRACE_MODULE, params, trace_env(n), label=f"torch-xla trace worker ({n} devices)",
+                run = workers.run_worker(TRACE_MODULE, params, trace_env(r.num_devices), label=f"torch-xla trace of {r.label()}",
                                          log_file=log_file, timeout=remaining, echo=verbose, merge_stderr=True,
                                          retries_on_stall=1, python=python)
         except workers.WorkerError as e:
@@ -328,16 +327,14 @@ def _trace_torch_xla(reqs: list[CompileRequest], work: Path, deadline: float, py
         for raw in run.results:
             raw = dict(raw)
             traced[raw.pop("index")] = raw
-        # A trace worker that died leaves the rest without results. SIGKILL with no watchdog
-        # involved is the kernel's OOM killer: torch-xla holds every weight shard once per virtual
-        # device, so SP multiplies the host memory a trace needs.
-        oom = run.returncode == -9 and not (run.stalled or run.timed_out)
-        why = ("killed, most likely out of host memory (torch-xla keeps each weight shard once per virtual "
-               "device: fewer blocks or a smaller mesh fit)" if oom else f"ended (exit code {run.returncode})")
-        for i in indices:
-            traced.setdefault(i, {"ok": False, "log": _tail(run.output),
-                                  "error": f"torch-xla trace worker {why} before {reqs[i].label()} was traced; "
-                                           f"log: {log_file}"})
+        if i not in traced:
+            # SIGKILL with no watchdog involved is the kernel's OOM killer: torch-xla holds every
+            # weight shard once per virtual device, so SP multiplies the host memory a trace needs.
+            oom = run.returncode == -9 and not (run.stalled or run.timed_out)
+            why = ("killed, most likely out of host memory (torch-xla keeps each weight shard once per virtual "
+                   "device: fewer blocks or a smaller mesh fit)" if oom else f"ended (exit code {run.returncode})")
+            traced[i] = {"ok": False, "log": _tail(run.output),
+                         "error": f"torch-xla trace worker {why} before {r.label()} was traced; log: {log_file}"}
     return traced
 
 
