@@ -247,7 +247,7 @@ def test_the_traced_graph_loses_what_the_patches_remove():
 # ---- other backends and the 32-device mesh, in worker processes ---------------------------------
 
 
-@pytest.mark.parametrize("backend,mesh", [("xla", "2x4"), ("jax", "8x4")])
+@pytest.mark.parametrize("backend,mesh", [("xla", "1x4"), ("xla", "2x4"), ("xla", "8x4"), ("jax", "8x4")])
 def test_all_exact_patches_sharded_in_a_worker(backend, mesh):
     from wan_sharding.patches.check import run_in_subprocess
 
@@ -411,3 +411,22 @@ def test_two_instances_are_independent():
     on_b.remove()
     assert _state(b) == b_state and torch.equal(_eager(b, inputs), b_ref)
     assert {c: dict(vars(c)) for c in classes} == vars_before
+
+
+def test_generate_shards_a_patched_pipeline_and_matches_the_vanilla_one(tmp_path):
+    """`wan-sharding generate --patches ...`: both experts patched then sharded (shard_pipeline's
+    ``patches``), final latents against the unpatched unsharded pipeline, and the summary says so."""
+    import json
+    import subprocess
+    import sys
+
+    from wan_sharding.jobs.launch import worker_env
+
+    out = tmp_path / "gen"
+    cmd = [sys.executable, "-m", "wan_sharding.cli", "generate", "--backend", "jax", "--mesh", "1x4", "--steps", "2",
+           "--patches", "rope", "qkv", "patchify", "--compare", "--out", str(out)]
+    proc = subprocess.run(cmd, env=worker_env("jax", 4), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads(next(out.glob("*.json")).read_text())
+    assert summary["patches"] == ["rope", "qkv", "patchify"]
+    assert summary["pcc_ok"] and summary["max_abs"] < 1e-4, summary

@@ -95,7 +95,9 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
         print(f"  unsharded reference run: {result['unsharded_seconds']:.2f} s", flush=True)
 
     t = time.perf_counter()
-    handle = shard_pipeline(pipe, mesh_arg(p["backend"], p["mesh"]), backend=p["backend"], padding=p["padding"])
+    handle = shard_pipeline(pipe, mesh_arg(p["backend"], p["mesh"]), backend=p["backend"], padding=p["padding"],
+                            patches=p.get("patches") or ())
+    result["patches"] = list(p.get("patches") or ())
     result["shard_seconds"] = round(time.perf_counter() - t, 3)
     marks: list[float] = []
     final: dict[str, torch.Tensor] = {}
@@ -198,4 +200,6 @@ if __name__ == "__main__":
     from ..pipeline.tiny import PipelineUnavailable
     from ..specs import ShardingError
 
-    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable, BackendError)))
+    from ..patches import PatchError
+
+    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable, BackendError, PatchError)))

@@ -87,6 +87,10 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
         sp, padding = None, "none"
     else:
         backend = get_backend(p["backend"], mesh_arg(p["backend"], p["mesh"]))
+        if p.get("patches"):  # rewrites first, then specs and SP
+            from ..patches import apply_patches
+
+            apply_patches(dit, p["patches"], mesh=backend.mesh)
         placed = backend.place(dit, shard_dit_specs(dit, backend.mesh))
         sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding=p["padding"])
         padding = p["padding"]
@@ -133,6 +137,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
         described = sp.describe() if sp is not None else {}
         r = {
             "what": what, "backend": p["backend"], "mesh": p["mesh"], "padding": padding, "variant": p["variant"],
+            "patches": list(p.get("patches") or ()),
             "dtype": p["dtype"], "latent": [latent.frames, latent.height, latent.width],
             "tokens": latent.tokens(), "padded_tokens": described.get("last_padded_tokens") or latent.tokens(),
             "warmup": p["warmup"], "iters": p["iters"],
@@ -167,4 +172,6 @@ if __name__ == "__main__":
     from ..pipeline.tiny import PipelineUnavailable
     from ..specs import ShardingError
 
-    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable, BackendError)))
+    from ..patches import PatchError
+
+    sys.exit(worker_main(_job, expected=(ShardingError, PipelineUnavailable, BackendError, PatchError)))

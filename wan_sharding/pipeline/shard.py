@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -126,6 +126,7 @@ class ShardedExpert:
     config_entry: Any
     moved: bool = False
     host_tensors: list | None = None  # (module, "param"|"buffer", name, tensor) before placement
+    patches: Any = None  # the PatchesHandle of its model rewrites (wan_sharding.patches), if any
 
 
 @dataclass(eq=False)
@@ -159,6 +160,8 @@ class PipelineHandle:
                 if e.moved:
                     _return_to_host(e)
                 self.backend.release(e.dit)  # jax: drop the compiled forward
+                if e.patches is not None:  # after SP: a patch's processor is wrapped by SP's
+                    e.patches.remove()
                 if e.wrapper is not None:
                     e.wrapper._release()
                 if getattr(self.pipe, e.name, None) is not e.dit:
@@ -234,7 +237,8 @@ def _model_device(dit: torch.nn.Module) -> torch.device:
 
 
 def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
-                   padding: str = DEFAULT_PADDING, keep_host_weights: bool = True) -> PipelineHandle:
+                   padding: str = DEFAULT_PADDING, keep_host_weights: bool = True,
+                   patches: Sequence[str] = ()) -> PipelineHandle:
     """Shard every expert of a diffusers Wan 2.2 pipeline over ``mesh``; the pipeline is then
     called as usual (``pipe(...)``) and runs each DiT forward on the mesh.
 
@@ -251,6 +255,8 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
             device-to-host copy). ``False`` frees them while sharded (host memory: one copy of each
             expert less) and ``remove()`` copies the weights back from the device instead. The
             ``jax`` backend never moves the torch model.
+        patches: model rewrites (``wan_sharding.patches``, e.g. ``("rope", "qkv")``) applied to
+            every expert before it is sharded; ``remove()`` undoes them too.
 
     Returns:
         A :class:`PipelineHandle`; ``handle.remove()`` (or leaving a ``with`` block) restores the
@@ -292,10 +298,20 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
                 "was apply_dit_sp_activation_sharding called on it?); remove those first"
             )
     be = get_backend(backend, mesh)  # the stack and the device count, checked before any change
+    rewrites: dict[int, Any] = {}
     unique: dict[int, ShardSpecs] = {}
-    for _, dit in found:  # validates heads / ffn / dims against TP for every expert first
-        if id(dit) not in unique:
-            unique[id(dit)] = shard_dit_specs(dit, be.mesh)
+    try:
+        for _, dit in found:  # validates heads / ffn / dims against TP for every expert first
+            if id(dit) not in unique:
+                if patches:  # rewrites first: the specs are the patched model's (PatchError before any change)
+                    from ..patches import apply_patches
+
+                    rewrites[id(dit)] = apply_patches(dit, patches, mesh=be.mesh)
+                unique[id(dit)] = shard_dit_specs(dit, be.mesh)
+    except BaseException:
+        for h in rewrites.values():
+            h.remove()
+        raise
 
     _warn_if_torch_xla_in_jax_process(pipe, be)
     handle = PipelineHandle(pipe, be, padding)
@@ -309,7 +325,8 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
                 handle.experts.append(expert)
             else:
                 expert = ShardedExpert(name, dit, None, unique[id(dit)], None, _model_device(dit), entry,
-                                       host_tensors=_host_tensors(dit) if keep_host_weights else None)
+                                       host_tensors=_host_tensors(dit) if keep_host_weights else None,
+                                       patches=rewrites.get(id(dit)))
                 handle.experts.append(expert)  # from here on, remove() can undo what follows
                 expert.moved = True  # until known otherwise: remove() moves it back
                 placed = be.place(dit, expert.specs)
