@@ -82,23 +82,7 @@ def _strip_metadata(body: str) -> str:
         i = body.find("metadata={")
         if i < 0:
             return body
-        depth, j, in_str = 0, i + len("metadata="), False
-        while j < len(body):
-            c = body[j]
-            if in_str:
-                if c == "\\":
-                    j += 1
-                elif c == '"':
-                    in_str = False
-            elif c == '"':
-                in_str = True
-            elif c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    break
-            j += 1
+        j = _close_paren(body, i + len("metadata="))
         body = (body[:i] + body[j + 1:]).strip()
 
 
