@@ -65,6 +65,17 @@ class Backend(abc.ABC):
         """Run one forward of ``dit`` on the mesh and return the output on the host (CPU)."""
         return self.to_host(self.run_device(dit, placed, *args, **kwargs))
 
+    def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> Any:
+        """One forward with diffusers' cache hooks live (``wan_sharding.caching``): their decisions
+        must run on the host at every call. Backends that run the model's Python at every call
+        (``xla``: lazy tensors) need nothing more than :meth:`run_device`."""
+        return self.run_device(dit, placed, *args, **kwargs)
+
+    def cache_unit_runner(self, dit: torch.nn.Module, placed: Any) -> Any:
+        """For a backend that compiles whole forwards: how to run one piece between a cache's
+        decisions compiled (``wan_sharding.caching.probes.UnitRunner``); ``None``: no pieces."""
+        return None
+
     def compile(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> "Program":
         """The forward for these inputs, compiled once: ``program()`` runs it (device output).
         Backends that compile lazily run it once here, so the first call is not the compile."""
@@ -124,3 +135,17 @@ class Program:
 
     def __call__(self) -> Any:
         return self._call()
+
+
+def input_signature(value: Any) -> Any:
+    """What a compiled forward is specialised on: tensor shapes and dtypes, which inputs are
+    ``None``, plain values as they are."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(input_signature(v) for v in value))
+    if isinstance(value, Mapping):
+        return ("mapping", tuple(sorted((str(k), input_signature(v)) for k, v in value.items())))
+    return ("object", type(value).__qualname__)

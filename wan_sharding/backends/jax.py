@@ -18,7 +18,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import Backend, BackendError, Program
+from .base import Backend, BackendError, Program, input_signature
 
 
 class JaxBackend(Backend):
@@ -182,6 +182,69 @@ class JaxBackend(Backend):
         """One forward; the output stays a (sharded) JAX array on the devices."""
         jargs, jkwargs = self._device_inputs(args, kwargs)
         return self._jitted(dit)(placed, jargs, jkwargs)
+
+    # --- forwards with diffusers' cache hooks: decisions on the host between compiled pieces -----
+
+    def run_cached_device(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """One forward with the cache hooks live: the model's own Python runs on the host over the
+        sharded arrays (torchax eager), the pieces between the cache's decisions compiled
+        (:meth:`cache_unit_runner`). A cache's read-back (FirstBlockCache's ``.item()``) is a
+        device-to-host copy of one scalar; schedule-based caches (TaylorSeer, PAB) read nothing back."""
+        import torchax
+
+        env = torchax.default_env()
+        jargs, jkwargs = self._device_inputs(args, kwargs)
+        # The pieces are compiled per input signature of the whole forward: SP's Python state (the
+        # padded length, the key mask) follows from it and is baked into the pieces' programs.
+        self.__dict__["_cached_forward_key"] = input_signature((args, kwargs))
+        with env:
+            state, targs, tkwargs = env.j2t_iso((placed, jargs, jkwargs))
+            out = torch.func.functional_call(dit, state, targs, {**tkwargs, "return_dict": False})[0]
+        return env.t2j_iso(out)
+
+    def cache_unit_runner(self, dit: torch.nn.Module, placed: dict[str, Any]):
+        """Runs one piece (a module's own forward) as a ``jax.jit`` of its weights and tensor
+        inputs, compiled once per piece and signature; non-tensor inputs are part of the key."""
+        import jax
+        import torchax
+        from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+        from torchax.interop import jax_view
+
+        env = torchax.default_env()
+        compiled: dict[Any, Any] = {}
+        states: dict[str, dict[str, Any]] = {}
+
+        def state_of(name: str) -> dict[str, Any]:
+            if name not in states:
+                prefix = name + "."
+                states[name] = {k[len(prefix):]: v for k, v in placed.items() if k.startswith(prefix)}
+            return states[name]
+
+        def run(name: str, module: torch.nn.Module, forward, args: tuple, kwargs: dict) -> Any:
+            leaves, spec = tree_flatten((args, kwargs))
+            dynamic = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            fixed = tuple(None if i in dynamic else x for i, x in enumerate(leaves))
+            key = (name, str(spec), fixed, self.__dict__.get("_cached_forward_key"))
+            try:
+                hash(key)
+            except TypeError:  # an unhashable non-tensor input: run this piece op by op
+                return forward(*args, **kwargs)
+            if key not in compiled:
+                def piece(state: dict, tensors: list) -> Any:
+                    state, tensors = env.j2t_iso((state, tensors))
+                    filled = list(fixed)
+                    for i, t in zip(dynamic, tensors):
+                        filled[i] = t
+                    a, k = tree_unflatten(filled, spec)
+                    with env, _reparametrize_module(module, state):
+                        return env.t2j_iso(forward(*a, **k))
+
+                compiled[key] = jax.jit(piece)
+            out = compiled[key](state_of(name), [jax_view(leaves[i]) for i in dynamic])
+            return env.j2t_iso(out)
+
+        return run
 
     def to_host(self, out: Any) -> torch.Tensor:
         import jax

@@ -26,7 +26,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import BackendError
+from .base import BackendError, input_signature
 from .xla import XlaBackend
 
 # Where Tenstorrent's stack comes from (tt-xla's release notes install pjrt-plugin-tt this way).
@@ -188,20 +188,6 @@ def _apply_compile_options(options: dict[str, str]) -> None:
     _applied_options = dict(options)
 
 
-def _signature(value: Any) -> Any:
-    """What a compiled forward is specialised on: tensor shapes and dtypes, which inputs are
-    ``None``, plain values as they are."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_signature(v) for v in value))
-    if isinstance(value, Mapping):
-        return ("mapping", tuple(sorted((str(k), _signature(v)) for k, v in value.items())))
-    return ("object", type(value).__qualname__)
-
-
 # ------------------------------------------------------------------------------ the backend
 
 
@@ -245,7 +231,7 @@ class TTBackend(XlaBackend):
         entry = self._compiled.get(id(dit))
         if entry is None or entry[0] is not dit:
             entry = self._compiled[id(dit)] = (dit, {})
-        key = (_signature(args), _signature(kwargs))
+        key = (input_signature(args), input_signature(kwargs))
         compiled = entry[1].get(key)
         if compiled is None:
             _apply_compile_options(self.compile_options.to_torch_xla())
@@ -259,6 +245,13 @@ class TTBackend(XlaBackend):
         args, kwargs = self._to_device(args, kwargs)
         compiled = self.compiled_for(dit, args, kwargs)
         return compiled(*args, **kwargs, return_dict=False)[0]
+
+    def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """A forward with diffusers' cache hooks live runs lazily, as on the ``xla`` backend, not
+        through ``torch.compile``: the hooks' decisions (FirstBlockCache's ``.item()``) cut the lazy
+        graph, and each piece between them is compiled once by the TT plugin and reused by graph hash.
+        Costs one compile per distinct piece instead of one per forward."""
+        return XlaBackend.run_device(self, dit, placed, *args, **kwargs)
 
     def release(self, dit: torch.nn.Module) -> None:
         """Drop the compiled forwards of ``dit``."""

@@ -64,3 +64,12 @@ def add_patches(ap: argparse.ArgumentParser) -> None:
 
     ap.add_argument("--patches", nargs="+", default=[], choices=list(PATCHES), metavar="PATCH",
                     help=f"model rewrites applied before sharding: {', '.join(PATCHES)} (default none)")
+
+
+def add_cache(ap: argparse.ArgumentParser) -> None:
+    """``--cache KIND``: a diffusers step cache on every expert, with Wan-ready settings (``wan_sharding.caching``)."""
+    from ..caching import CACHE_KINDS
+
+    ap.add_argument("--cache", default="none", choices=list(CACHE_KINDS),
+                    help="step cache on every expert: fbc (FirstBlockCache), mag (MagCache, calibrated first), "
+                         "taylorseer, pab (Pyramid Attention Broadcast); default none")

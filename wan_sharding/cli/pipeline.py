@@ -14,7 +14,7 @@ from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
 from ..options import EXECUTING_BACKENDS, DEFAULT_PADDING
-from .args import add_dtype, add_mesh, add_padding, add_patches, stack_missing
+from .args import add_cache, add_dtype, add_mesh, add_padding, add_patches, stack_missing
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
 
@@ -33,6 +33,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    if args.cache != "none" and "dit" in args.what:
+        print("wan-sharding profile: error: --cache acts across denoising steps; use it with --what step", file=sys.stderr)
+        return 2
     if stack_missing([args.backend]):
         return 1
     run = run_profile(_params(args), echo=not args.json)
@@ -60,6 +63,7 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument("--width", type=int, help="pixels (default: 96 tiny A14B, 192 tiny TI2V, 832 with --model)")
     add_padding(g, DEFAULT_PADDING)
     add_patches(g)
+    add_cache(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prompt", default="a red fox running through fresh snow, golden hour")
     g.add_argument("--negative-prompt", default="")
@@ -81,6 +85,7 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--iters", type=int, default=3, help="timed iterations")
     add_padding(p, DEFAULT_PADDING)
     add_patches(p)
+    add_cache(p)
     p.add_argument("--resolution", default="small", choices=sorted(PROFILE_LATENTS),
                    help="latent preset: tiny 3x10x14 (105 tokens), small 5x30x52 (1950 tokens)")
     p.add_argument("--latent", help="latent shape F,H,W (overrides --resolution)")

@@ -87,18 +87,40 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
                               "backend": p["backend"], "mesh": p["mesh"], "padding": p["padding"],
                               "steps": p["steps"], "seed": p["seed"], "frames": req["num_frames"],
                               "height": req["height"], "width": req["width"], "build_seconds": round(build_s, 3)}
-    reference = None
+    cache = p.get("cache") or "none"
+    latents_of = lambda: pipe(**kwargs(), output_type="latent").frames  # noqa: E731
+    result["cache"] = cache
+    ratios = None
+    if cache == "mag":  # MagCache needs each expert's magnitude ratios: one calibration run, unsharded
+        from ..caching import calibrate_pipeline_mag_ratios
+
+        ratios = calibrate_pipeline_mag_ratios(pipe, latents_of, p["steps"])
+        result["mag_ratios"] = ratios
+    reference = cached_reference = None
     if p["compare"]:
         t = time.perf_counter()
-        reference = pipe(**kwargs(), output_type="latent").frames
+        reference = latents_of()
         result["unsharded_seconds"] = round(time.perf_counter() - t, 3)
         print(f"  unsharded reference run: {result['unsharded_seconds']:.2f} s", flush=True)
+        if cache != "none":
+            cached_reference, result["unsharded_cache"] = _cached_run(pipe, cache, p["steps"], ratios, latents_of)
+            print(f"  unsharded reference run with {cache}: {_skips(result['unsharded_cache'])}", flush=True)
 
     t = time.perf_counter()
     handle = shard_pipeline(pipe, mesh_arg(p["backend"], p["mesh"]), backend=p["backend"], padding=p["padding"],
                             patches=p.get("patches") or ())
     result["patches"] = list(p.get("patches") or ())
     result["shard_seconds"] = round(time.perf_counter() - t, 3)
+    uncached = None
+    if cache != "none":
+        from ..caching import enable_pipeline_cache, pipeline_cache_stats
+
+        try:
+            uncached = latents_of()  # the drift is measured against this (it also compiles the whole forward)
+            enable_pipeline_cache(pipe, cache, p["steps"], mag_ratios=ratios)
+        except BaseException:
+            handle.remove()
+            raise
     marks: list[float] = []
     final: dict[str, torch.Tensor] = {}
 
@@ -112,12 +134,18 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
         out = pipe(**kwargs(), output_type="np", callback_on_step_end=on_step)
         end = time.perf_counter()
         info = handle.describe()
+        if cache != "none":
+            result["cache_stats"] = pipeline_cache_stats(pipe)
     finally:
         handle.remove()
+        if cache != "none":
+            from ..caching import disable_pipeline_cache
+
+            disable_pipeline_cache(pipe)  # remove() leaves a cache on the experts
     frames = out.frames[0]
     steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
     latents = final["latents"]
-    stem = Path(p["out"]) / f"{variant}-{p['backend']}-{p['mesh']}-{p['padding']}"
+    stem = Path(p["out"]) / f"{variant}-{p['backend']}-{p['mesh']}-{p['padding']}{'' if cache == 'none' else '-' + cache}"
     video = write_video(frames, stem)
     expert = next(iter(info["experts"].values()))
     result.update(
@@ -136,15 +164,47 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     print(f"  denoising: {len(steps_s)} steps, seconds per step {', '.join(f'{s:.2f}' for s in steps_s)} "
           "(an expert's first step compiles); VAE decode "
           f"{result['decode_seconds']:.2f} s; total {result['seconds']:.2f} s", flush=True)
+    if cache != "none":
+        stats = result["cache_stats"]
+        drift_pcc, drift = compare(uncached, latents)
+        result.update(blocks_computed=sum(e["computed"] for e in stats.values()),
+                      blocks_skipped=sum(e["skipped"] for e in stats.values()),
+                      drift_max_abs=drift, drift_pcc=drift_pcc)
+        print(f"  cache {cache}: {_skips(stats)}; drift vs the uncached sharded run: max|diff| {drift:.2e}, "
+              f"PCC {drift_pcc:.6f}", flush=True)
     if reference is not None:
-        value, max_abs = compare(reference, latents)
+        against = cached_reference if cached_reference is not None else reference
+        value, max_abs = compare(against, latents)
         threshold = PIPELINE_PCC_THRESHOLDS[dtype_name]
         result.update(pcc=value, max_abs=max_abs, pcc_threshold=threshold, pcc_ok=value >= threshold)
-        print(f"  compare: final latents sharded vs unsharded PCC {value:.9f}, max|diff| {max_abs:.2e} "
+        what = f"unsharded with {cache}" if cached_reference is not None else "unsharded"
+        if cached_reference is not None:
+            same = {n: e["decisions"] for n, e in result["cache_stats"].items()} == \
+                {n: e["decisions"] for n, e in result["unsharded_cache"].items()}
+            result.update(cache_decisions_match=same, pcc_ok=result["pcc_ok"] and same)
+            print(f"  compare: cache decisions {'identical to' if same else 'DIFFER from'} the unsharded run's",
+                  flush=True)
+        print(f"  compare: final latents sharded vs {what} PCC {value:.9f}, max|diff| {max_abs:.2e} "
               f"({'ok' if result['pcc_ok'] else 'BELOW'} threshold {threshold})", flush=True)
     atomic_write(result["summary"], json.dumps(result, indent=1) + "\n")
     print(f"  video: {video}  summary: {result['summary']}", flush=True)
     return [result]
+
+
+def _cached_run(pipe: Any, cache: str, steps: int, ratios: Any, run: Any) -> tuple[Any, dict[str, Any]]:
+    """``run()`` with a ``cache`` enabled on every expert; its output and the cache statistics."""
+    from ..caching import disable_pipeline_cache, enable_pipeline_cache, pipeline_cache_stats
+
+    enable_pipeline_cache(pipe, cache, steps, mag_ratios=ratios)
+    try:
+        return run(), pipeline_cache_stats(pipe)
+    finally:
+        disable_pipeline_cache(pipe)
+
+
+def _skips(stats: dict[str, dict[str, Any]]) -> str:
+    """``transformer 8/12 computed (4 skipped), ...`` over the cache-hooked modules."""
+    return ", ".join(f"{n} {e['computed']}/{e['calls']} computed ({e['skipped']} skipped)" for n, e in stats.items())
 
 
 def _compare(p: dict[str, Any]) -> list[dict[str, Any]]:
@@ -190,9 +250,91 @@ def _compare(p: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
+def cache_compare_in_subprocess(backend: str, meshes: list[str], caches: list[str], variant: str = "t2v-a14b",
+                                steps: int = 6, padding: str = DEFAULT_PADDING, seed: int = 0, timing: bool = False,
+                                timeout: float = 1200) -> list[dict[str, Any]]:
+    """Per cache kind and mesh: the tiny pipeline sharded with that cache vs unsharded with the same
+    cache (decisions, final latents), and vs the sharded run without a cache (drift). With
+    ``timing``, each run is repeated warm and timed (the benchmark). One worker for all of it."""
+    if backend in ("xla", "tt") and len({mesh_from_preset(m).num_devices for m in meshes}) > 1:
+        raise ValueError(f"the {backend} backend runs one device count per process; call once per mesh")
+    params = dict(kind="cache", meshes=meshes, caches=caches, variant=variant, steps=steps, padding=padding,
+                  dtype="fp32", seed=seed, backend=backend, timing=timing)
+    run = run_worker(WORKER, params, worker_env(backend, num_devices(meshes)), label=f"{backend} worker (cache)",
+                     stall_s=stall_seconds(backend), timeout=timeout)
+    if not run.ok:
+        raise WorkerError(f"{backend} cache worker failed (exit {run.returncode}):\n{run.output[-4000:]}")
+    return run.results
+
+
+def _cache(p: dict[str, Any]) -> list[dict[str, Any]]:
+    """The work of :func:`cache_compare_in_subprocess`; results are emitted as each run finishes."""
+    from ..caching import (
+        calibrate_pipeline_mag_ratios,
+        disable_pipeline_cache,
+        enable_pipeline_cache,
+        pipeline_cache_stats,
+        reset_pipeline_cache,
+    )
+    from ..pipeline import shard_pipeline
+    from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
+
+    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]))
+    run = lambda: pipe(**call_kwargs(pipe, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
+
+    def timed() -> tuple[Any, float]:
+        t = time.perf_counter()
+        out = run()
+        return out, time.perf_counter() - t
+
+    references = {}
+    for cache in p["caches"]:  # unsharded, with the same cache: what the sharded run must match
+        ratios = calibrate_pipeline_mag_ratios(pipe, run, p["steps"]) if cache == "mag" else None
+        references[cache] = (ratios, *_cached_run(pipe, cache, p["steps"], ratios, run))
+    for mesh in p["meshes"]:
+        handle = shard_pipeline(pipe, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
+        try:
+            uncached, first = timed()
+            warm = timed()[1] if p["timing"] else None
+            for cache in p["caches"]:
+                ratios, reference, reference_stats = references[cache]
+                enable_pipeline_cache(pipe, cache, p["steps"], mag_ratios=ratios)
+                try:
+                    calls_before = {e.name: e.wrapper.calls for e in handle.experts}
+                    out, cached_first = timed()
+                    stats = pipeline_cache_stats(pipe)
+                    forwards = sum(e.wrapper.calls - calls_before[e.name] for e in handle.experts)
+                    cached_warm = None
+                    if p["timing"]:
+                        reset_pipeline_cache(pipe)
+                        cached_warm = timed()[1]
+                finally:
+                    disable_pipeline_cache(pipe)
+                _, max_abs = compare(reference, out)
+                drift_pcc, drift = compare(uncached, out)
+                emit({
+                    "backend": p["backend"], "mesh": mesh, "cache": cache, "variant": p["variant"],
+                    "steps": p["steps"], "padding": p["padding"], "forwards": forwards,
+                    "calls": sum(e["calls"] for e in stats.values()),
+                    "computed": sum(e["computed"] for e in stats.values()),
+                    "skipped": sum(e["skipped"] for e in stats.values()),
+                    "per_expert": {n: {k: v for k, v in e.items() if k != "decisions"} for n, e in stats.items()},
+                    "decisions_match": {n: e["decisions"] for n, e in stats.items()}
+                    == {n: e["decisions"] for n, e in reference_stats.items()},
+                    "max_abs_vs_unsharded_cached": max_abs, "drift_max_abs": drift, "drift_pcc": drift_pcc,
+                    "first_seconds": round(cached_first, 3), "uncached_first_seconds": round(first, 3),
+                    "warm_seconds": None if cached_warm is None else round(cached_warm, 4),
+                    "uncached_warm_seconds": None if warm is None else round(warm, 4),
+                    "warm_ratio": None if cached_warm is None else round(cached_warm / warm, 3),
+                })
+        finally:
+            handle.remove()
+    return []
+
+
 def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
     prepare_worker(params["backend"])
-    return {"generate": _generate, "compare": _compare}[params["kind"]](params)
+    return {"generate": _generate, "compare": _compare, "cache": _cache}[params["kind"]](params)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,38 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
     def forward(x, t, emb):
         return model(hidden_states=x, timestep=t, encoder_hidden_states=emb, return_dict=False)[0]
 
+    current: dict[str, Any] = {}
+
+    def denoise(times: list[float] | None = None, marks: list | None = None) -> None:
+        """One denoising loop of ``n`` steps as the Wan pipelines run it (cond + uncond in their
+        cache contexts, CFG, scheduler step); with ``times``, each step's seconds."""
+        scheduler = flow_scheduler()
+        scheduler.set_timesteps(n)
+        latents = inputs["hidden_states"].float()
+        tokens = latent.tokens()
+        for i, step_t in enumerate(scheduler.timesteps):
+            if marks is not None and i == p["warmup"]:
+                marks.append(_cpu_snapshot())
+            t = time.perf_counter()
+            current["t"] = step_t
+            x = latents.to(dtype)
+            ts = step_t.expand(1, tokens) if per_token else step_t.expand(1)
+            with model.cache_context("cond", step_index=i, num_inference_steps=n):
+                noise_c = forward(x, ts, cond)
+            with model.cache_context("uncond", step_index=i, num_inference_steps=n):
+                noise_u = forward(x, ts, uncond)
+            noise = noise_u + 4.0 * (noise_c - noise_u)
+            latents = scheduler.step(noise, step_t, latents, return_dict=False)[0]
+            if times is not None:
+                times.append(time.perf_counter() - t)
+
+    cache = p.get("cache") or "none"
+    if cache != "none":  # a step cache on the expert, as `generate --cache` sets it (wan_sharding.caching)
+        from ..caching import calibrate_mag_ratios, wan_cache_config
+
+        ratios = calibrate_mag_ratios({"transformer": (dit, n)}, denoise)["transformer"] if cache == "mag" else None
+        model.enable_cache(wan_cache_config(cache, n, dtype=dtype, timestep=lambda: current["t"], mag_ratios=ratios))
+
     results = []
     for what in p["what"]:
         times: list[float] = []
@@ -117,21 +149,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
                 forward(inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"])
                 times.append(time.perf_counter() - t)
         else:  # one denoising step as the Wan pipelines do it
-            scheduler = flow_scheduler()
-            scheduler.set_timesteps(n)
-            latents = inputs["hidden_states"].float()
-            tokens = latent.tokens()
-            for i, step_t in enumerate(scheduler.timesteps):
-                if i == p["warmup"]:
-                    marks.append(_cpu_snapshot())
-                t = time.perf_counter()
-                x = latents.to(dtype)
-                ts = step_t.expand(1, tokens) if per_token else step_t.expand(1)
-                noise_c = forward(x, ts, cond)
-                noise_u = forward(x, ts, uncond)
-                noise = noise_u + 4.0 * (noise_c - noise_u)
-                latents = scheduler.step(noise, step_t, latents, return_dict=False)[0]
-                times.append(time.perf_counter() - t)
+            denoise(times, marks)
         marks.append(_cpu_snapshot())
         timed = times[p["warmup"]:]
         described = sp.describe() if sp is not None else {}
@@ -148,14 +166,21 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             "forwards_per_iter": 1 if what == "dit" else 2, "note": note_for(p["backend"]),
             "compiles": getattr(backend, "compiles", None),  # tt: torch.compile calls so far
             "others_cpu_share": _others_share(marks[0], marks[-1]) if len(marks) == 2 else None,
-            "host_cpus": os.cpu_count(),
+            "host_cpus": os.cpu_count(), "cache": cache,
         }
+        if what == "step" and model.cache_stats is not None:
+            r["cache_stats"] = model.cache_stats.summary()
+            model.cache_stats.reset()
         results.append(r)
         if timed:
             print(f"profile {what:4} {p['backend']} {p['mesh']:9} padding {padding:5} {r['tokens']} tokens"
                   f"{' -> ' + str(r['padded_tokens']) if r['padded_tokens'] != r['tokens'] else ''}: "
                   f"first (compile + run) {r['first_iter_s']:.3f} s, warm median {r['median_s']:.4f} s "
-                  f"(min {r['min_s']:.4f}, max {r['max_s']:.4f}) over {p['iters']}", flush=True)
+                  f"(min {r['min_s']:.4f}, max {r['max_s']:.4f}) over {p['iters']}"
+                  + (f"; cache {cache}: {r['cache_stats']['computed']}/{r['cache_stats']['calls']} computed"
+                     if "cache_stats" in r else ""), flush=True)
+    if model.is_cache_enabled:
+        model.disable_cache()
     if sp is not None:
         sp.remove()
     print(f"note: {note_for(p['backend'])}", flush=True)

@@ -85,9 +85,39 @@ class ShardedTransformer(torch.nn.Module):
     def mesh(self) -> MeshSpec:
         return self._backend.mesh
 
+    # --- diffusers' cache API (CacheMixin), on the real model --------------------------------
     def cache_context(self, name: str, **kwargs: Any):
         """The real model's ``cache_context`` (diffusers' cache hooks live on it)."""
         return self.dit.cache_context(name, **kwargs)
+
+    @property
+    def is_cache_enabled(self) -> bool:
+        return self.dit.is_cache_enabled
+
+    def enable_cache(self, config: Any) -> None:
+        """diffusers' ``enable_cache`` on the real model, so that its decisions run on the host at
+        every forward on this backend too (``wan_sharding.caching``). Raises what diffusers raises
+        (a cache already enabled, an unsupported config) and ``ValueError`` for a config that hooks
+        no module of a Wan DiT."""
+        from ..caching import enable_model_cache
+
+        enable_model_cache(self.dit, config, runner=self._backend.cache_unit_runner(self.dit, self._placed))
+
+    def disable_cache(self) -> None:
+        """diffusers' ``disable_cache`` on the real model."""
+        from ..caching import disable_model_cache
+
+        disable_model_cache(self.dit)
+
+    def _reset_stateful_cache(self, recurse: bool = True) -> None:
+        self.dit._reset_stateful_cache(recurse=recurse)
+
+    @property
+    def cache_stats(self) -> Any:
+        """The enabled cache's :class:`~wan_sharding.caching.CacheStats` (calls, computed, skipped), or ``None``."""
+        from ..caching import model_cache_stats
+
+        return model_cache_stats(self.dit)
 
     def forward(self, *args: Any, return_dict: bool = True, **kwargs: Any):
         dit = self.dit
@@ -97,13 +127,32 @@ class ShardedTransformer(torch.nn.Module):
                 f"attention_kwargs (a LoRA scale) cannot be passed into the {self._backend.name} backend's compiled "
                 "forward; fuse the LoRA into the weights (pipe.fuse_lora()) before shard_pipeline, or use the xla backend"
             )
-        out = self._backend.run(dit, self._placed, *args, **kwargs)
+        if dit.is_cache_enabled:
+            self._adopt_cache()
+            out = self._backend.to_host(self._backend.run_cached_device(dit, self._placed, *args, **kwargs))
+        else:
+            out = self._backend.run(dit, self._placed, *args, **kwargs)
         self.__dict__["calls"] += 1
         if not return_dict:
             return (out,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         return Transformer2DModelOutput(sample=out)
+
+    def _adopt_cache(self) -> None:
+        """A cache enabled on the real model directly (or before sharding) gets this backend's probe,
+        so it acts at every forward instead of only while a forward is traced."""
+        from ..caching import model_cache_probe
+
+        probe = model_cache_probe(self.dit)
+        wanted = self._backend.cache_unit_runner(self.dit, self._placed) is not None
+        if probe is None or (wanted and not probe.units):
+            config = self.dit._cache_config
+            if probe is not None:
+                probe.remove(keep_cache=False)
+            else:
+                self.dit.disable_cache()
+            self.enable_cache(config)
 
     def _release(self) -> None:
         self.__dict__.update(_dit=None, _placed=None)
@@ -155,6 +204,10 @@ class PipelineHandle:
         errors = []
         for e in reversed(self.experts):
             try:
+                if e.wrapper is not None and e.wrapper._dit is not None:
+                    from ..caching import release_model_cache
+
+                    release_model_cache(e.dit)  # the cache stays enabled, without this backend's pieces
                 if e.sp is not None:
                     e.sp.remove()
                 if e.moved:

@@ -1,0 +1,183 @@
+"""Probes under diffusers' cache hooks: what each cache computed and skipped, and where a compiling
+backend runs the pieces between the cache's decisions.
+
+diffusers' cache hooks (``transformer.enable_cache(config)``) wrap a module's ``forward`` and decide
+on the host whether to run it (FirstBlockCache, MagCache: the blocks; TaylorSeer, PAB: attention
+modules). A :class:`CacheProbe` puts one more diffusers ``ModelHook`` *under* each such hook, on the
+same module, so it sees exactly the calls the cache lets through:
+
+- ``calls`` (a torch forward pre-hook on the module, which runs before any cache hook) and
+  ``computed`` (the inner hook) per module, and the decision of every call in order;
+- with a ``unit_runner`` (the ``jax`` backend), the inner hook also runs the module's own forward as
+  one compiled piece. Every other module whose subtree holds no cache hook runs as a compiled piece
+  too, so only the code between the cache's decisions runs op by op on the host.
+
+To sit under the cache hooks, the probe's hooks must be registered first. :func:`install_probe`
+therefore applies the config once to find the modules it hooks, takes it off, registers the inner
+hooks, and applies the config again. diffusers' own hooks and state are unchanged; ``remove()``
+takes the probe off and leaves the cache enabled as the user left it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+INNER_HOOK = "wan_sharding_cache_probe"
+
+# (unit name, module, the module's own forward, args, kwargs) -> output
+UnitRunner = Callable[[str, torch.nn.Module, Callable, tuple, dict], Any]
+
+
+def cache_hooked_modules(dit: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Modules of ``dit`` (the root included, as ``""``) that carry a diffusers hook other than a probe's."""
+    out = {}
+    for name, module in dit.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None and any(h != INNER_HOOK for h in registry.hooks):
+            out[name] = module
+    return out
+
+
+def compiled_units(dit: torch.nn.Module, hooked: set[str]) -> list[str]:
+    """The pieces a compiling backend runs whole: every maximal submodule with no cache hook strictly
+    inside it (a hooked module with none below it is a piece too: its own forward, under the hook).
+    The modules above them (the root, a block whose attention is hooked) run their own code op by op."""
+    units: list[str] = []
+
+    def visit(name: str, module: torch.nn.Module) -> None:
+        below = any(h != name and (name == "" or h.startswith(name + ".")) for h in hooked)
+        if name and not below:
+            units.append(name)
+            return
+        for child, sub in module.named_children():
+            visit(f"{name}.{child}" if name else child, sub)
+
+    visit("", dit)
+    return units
+
+
+@dataclass
+class CacheStats:
+    """Per cache-hooked module: how often it was called and how often it really computed."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    computed: dict[str, int] = field(default_factory=dict)
+    # one entry per call of a hooked module, in order: (module name, computed?)
+    decisions: list[tuple[str, bool]] = field(default_factory=list)
+
+    def skipped(self) -> int:
+        return sum(self.calls.values()) - sum(self.computed.values())
+
+    def summary(self) -> dict[str, Any]:
+        calls, computed = sum(self.calls.values()), sum(self.computed.values())
+        return {"modules": len(self.calls), "calls": calls, "computed": computed, "skipped": calls - computed}
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.computed.clear()
+        self.decisions.clear()
+
+
+def _inner_hook_class():
+    """The diffusers ``ModelHook`` under a cache hook (defined on use: diffusers is imported lazily)."""
+    from diffusers.hooks.hooks import ModelHook
+
+    class InnerHook(ModelHook):
+        def __init__(self, name: str, stats: CacheStats | None, runner: UnitRunner | None):
+            super().__init__()
+            self.name, self.stats, self.runner = name, stats, runner
+
+        def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if self.stats is not None:
+                self.stats.computed[self.name] = self.stats.computed.get(self.name, 0) + 1
+                self.stats.decisions[-1] = (self.name, True)
+            if self.runner is None:
+                return self.fn_ref.original_forward(*args, **kwargs)
+            return self.runner(self.name, module, self.fn_ref.original_forward, args, kwargs)
+
+    return InnerHook
+
+
+@dataclass(eq=False)
+class CacheProbe:
+    """What :func:`install_probe` did to one model; ``remove()`` undoes it (the cache stays on)."""
+
+    dit: torch.nn.Module
+    config: Any
+    stats: CacheStats
+    hooked: list[str]
+    units: list[str]
+    _inner: list[torch.nn.Module] = field(default_factory=list, repr=False)
+    _torch_hooks: list = field(default_factory=list, repr=False)
+    removed: bool = False
+
+    def remove(self, keep_cache: bool = True) -> None:
+        """Take the probe's hooks off. With ``keep_cache`` the cache stays enabled on the model
+        (re-applied without the probe, fresh state); otherwise it is disabled too."""
+        if self.removed:
+            return
+        config = self.dit._cache_config
+        if config is not None:
+            self.dit.disable_cache()
+        for module in self._inner:
+            module._diffusers_hook.remove_hook(INNER_HOOK, recurse=False)
+        for h in self._torch_hooks:
+            h.remove()
+        if keep_cache and config is not None:
+            self.dit.enable_cache(config)
+        self.removed = True
+
+
+def install_probe(dit: torch.nn.Module, config: Any, runner: UnitRunner | None = None,
+                  count: bool = True) -> CacheProbe:
+    """Enable ``config`` on ``dit`` (diffusers' ``enable_cache``) with a probe under every cache hook.
+
+    ``runner``: how a compiling backend runs one piece (see the module docstring); ``None`` runs the
+    model as it is (eager or lazy backends, the unsharded model). ``count``: keep :class:`CacheStats`.
+    Raises what diffusers raises for an unsupported config or a cache already enabled.
+    """
+    if dit.is_cache_enabled:
+        raise ValueError(
+            f"a cache ({type(dit._cache_config).__name__}) is already enabled on this model; disable_cache() first"
+        )
+    dit.enable_cache(config)  # where does this config put its hooks?
+    hooked = sorted(cache_hooked_modules(dit))
+    dit.disable_cache()
+    if not hooked:
+        raise ValueError(
+            f"{type(config).__name__} hooks no module of this {type(dit).__name__}: it would skip nothing; "
+            "set its identifiers to Wan module names (wan_sharding.caching.wan_cache_config gives ones that act)"
+        )
+    units = compiled_units(dit, set(hooked)) if runner is not None else []
+    stats = CacheStats()
+    probe = CacheProbe(dit, config, stats, hooked, units)
+    modules = dict(dit.named_modules())
+    InnerHook = _inner_hook_class()
+    from diffusers.hooks.hooks import HookRegistry
+
+    try:
+        for name in dict.fromkeys(hooked + units):
+            module = modules[name]
+            is_hooked = name in hooked
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(
+                InnerHook(name, stats if (count and is_hooked) else None, runner if name in units else None),
+                INNER_HOOK)
+            probe._inner.append(module)
+            if count and is_hooked:
+                probe._torch_hooks.append(module.register_forward_pre_hook(_counter(name, stats)))
+        dit.enable_cache(config)  # now on top of the probes
+    except BaseException:
+        probe.remove(keep_cache=False)
+        raise
+    return probe
+
+
+def _counter(name: str, stats: CacheStats) -> Callable:
+    def pre_hook(module: torch.nn.Module, args: tuple) -> None:
+        stats.calls[name] = stats.calls.get(name, 0) + 1
+        stats.decisions.append((name, False))  # the inner hook turns it to True if it computes
+
+    return pre_hook
