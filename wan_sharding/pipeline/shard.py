@@ -88,6 +88,8 @@ class ShardedTransformer(torch.nn.Module):
     # --- diffusers' cache API (CacheMixin), on the real model --------------------------------
     def cache_context(self, name: str, **kwargs: Any):
         """The real model's ``cache_context`` (diffusers' cache hooks live on it)."""
+        if self.dit.is_cache_enabled:
+            self._adopt_cache()  # before the context is set: adopting re-creates the hooks
         return self.dit.cache_context(name, **kwargs)
 
     @property
@@ -388,6 +390,8 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
                     expert.host_tensors = None  # nothing to put back (jax: the model stays where it is)
                 expert.sp = apply_dit_sp_activation_sharding(dit, be.mesh, backend=be, padding=padding)
                 expert.wrapper = ShardedTransformer(dit, be, placed, name, padding)
+                if dit.is_cache_enabled:  # a cache enabled before sharding acts on the mesh too
+                    expert.wrapper._adopt_cache()
                 done[id(dit)] = expert
             setattr(pipe, name, expert.wrapper)
     except BaseException:
