@@ -4,6 +4,8 @@ Runs in this pytest process on JAX's 8 CPU devices (see conftest.py).
 """
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -135,3 +137,39 @@ def test_no_diffusers_class_is_modified():
     assert {c: dict(vars(c)) for c in classes} == before
     handle.remove()
     assert {c: dict(vars(c)) for c in classes} == before
+
+
+@pytest.mark.parametrize("copy_model", [copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())],
+                         ids=["deepcopy", "pickle", "torch.save"])
+def test_copying_a_model_with_sp_is_refused_and_leaves_it_intact(copy_model):
+    """A copy would share the original's hooks and forward state (silently wrong): refused, with
+    the way to do it; the original still runs exactly as before, and after remove() it copies."""
+    dit = build_dit("t2v-a14b")
+    inputs = dit_inputs("t2v-a14b", PADDED)
+    backend = get_backend("jax", "2x4")
+    placed = backend.place(dit, shard_dit_specs(dit, "2x4"))
+    handle = apply_dit_sp_activation_sharding(dit, "2x4", backend=backend, padding="mask")
+    before, state = backend.run(dit, placed, **inputs), _hook_state(dit)
+    with pytest.raises(ShardingError, match=r"cannot be copied or pickled.*handle.remove\(\) first, copy, then"):
+        copy_model(dit)
+    assert _hook_state(dit) == state
+    assert torch.equal(backend.run(dit, placed, **inputs), before)
+    handle.remove()
+    copy_model(dit)  # a plain model copies again
+
+
+def test_copy_is_refused_without_padding_processors_too():
+    """padding='none' installs hooks only (no attention processors): they refuse the copy as well."""
+    dit = build_dit("t2v-a14b")
+    handle = apply_dit_sp_activation_sharding(dit, "2x4", backend="jax", padding="none")
+    assert _hook_state(dit)[1] == ["WanAttnProcessor", "WanAttnProcessor"]
+    with pytest.raises(ShardingError, match="cannot be copied"):
+        copy.deepcopy(dit)
+    handle.remove()
+
+
+def test_empty_padding_is_an_error_not_the_default():
+    dit = build_dit("t2v-a14b")
+    with pytest.raises(ShardingError, match="unknown padding mode ''"):
+        apply_dit_sp_activation_sharding(dit, "2x4", backend="jax", padding="")
+    assert _hook_state(dit) == (0, ["WanAttnProcessor", "WanAttnProcessor"])
