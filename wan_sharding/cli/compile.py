@@ -35,7 +35,7 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
         path = sysdesc.write_system_descriptor(args.output, args.arch, mesh.num_devices,
                                                grid=tuple(mesh.shape), topology=args.topology)
     except (MeshError, ValueError, sysdesc.SystemDescriptorError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     data = path.read_bytes()
     desc = sysdesc.read_system_descriptor(data)
@@ -48,7 +48,7 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
     try:
         sysdesc.check_plugin_schema(data)
     except sysdesc.SystemDescriptorError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     print(f"matches {sysdesc.PLUGIN_DIST}=={version}; use it with TT_COMPILE_ONLY_SYSTEM_DESC={path}")
     return EXIT_OK
@@ -74,7 +74,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
         else:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     report["wall_seconds"] = round(time.perf_counter() - t0, 2)
     if out is not None:

@@ -55,7 +55,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
         else:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     data = report.to_json()
     data["wall_seconds"] = round(time.perf_counter() - t0, 2)
