@@ -23,6 +23,7 @@ import pytest
 
 from wan_sharding import ShardingError, apply_dit_sp_activation_sharding
 from wan_sharding.models import build_dit
+from wan_sharding.pipeline.tiny import PipelineUnavailable, load_pipeline
 from wan_sharding.plan import PlanError, ShardingPlan
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-inputs.md"
@@ -62,6 +63,7 @@ print(json.dumps(results))
 
 
 def _fixtures(root: Path) -> dict[str, str]:
+    root.mkdir(exist_ok=True)
     (root / "a-file").write_text("keep me\n")
     bad = root / "bad-model"
     bad.mkdir()
@@ -175,6 +177,7 @@ class _Api:
 
     def names(self) -> dict:
         return {"ShardingPlan": ShardingPlan, "plan": self.plan, "write": self.write, "dit": self.dit,
+                "load_pipeline": load_pipeline,
                 "sp_dit": self.sp_dit, "apply_dit_sp_activation_sharding": apply_dit_sp_activation_sharding,
                 "copy": copy, "pickle": pickle}
 
@@ -186,11 +189,12 @@ def _hooks(model) -> int:
 @pytest.mark.parametrize("expr,error,excerpt", API_ROWS, ids=[r[0] for r in API_ROWS])
 def test_library_row(tmp_path, expr, error, excerpt):
     api = _Api(tmp_path)
-    with pytest.raises((PlanError, ShardingError)) as info:
-        eval(_fill(expr, {"dir": str(tmp_path)}), api.names())
+    values = {"dir": str(tmp_path), **{k: v for k, v in _fixtures(tmp_path / "fixtures").items() if k != "dir"}}
+    with pytest.raises((PlanError, ShardingError, PipelineUnavailable)) as info:
+        eval(_fill(expr, values), api.names())
     assert type(info.value).__name__ == error
     message = str(info.value)
-    assert "\n" not in message and _fill(excerpt, {"dir": str(tmp_path)}) in message
+    assert "\n" not in message and _fill(excerpt, values) in message
     assert all(_hooks(m) == 0 for m in api.fresh)  # refused before the model was touched
     for model, hooks, handle in api.sharded:  # the original keeps exactly its SP hooks
         assert _hooks(model) == hooks
