@@ -173,3 +173,32 @@ def test_empty_padding_is_an_error_not_the_default():
     with pytest.raises(ShardingError, match="unknown padding mode ''"):
         apply_dit_sp_activation_sharding(dit, "2x4", backend="jax", padding="")
     assert _hook_state(dit) == (0, ["WanAttnProcessor", "WanAttnProcessor"])
+
+
+def test_hooks_trace_whole_under_torch_compile():
+    """The tt backend runs the hooked model through torch.compile: the package's hook objects must
+    trace without a graph break. A backend whose constraint is a plain op stands in for the device."""
+    from wan_sharding.backends.base import Backend
+    from wan_sharding.mesh import as_mesh_spec
+
+    class PlainOps(Backend):
+        name = "plain"
+
+        def _make_mesh(self, mesh):
+            return None
+
+        def place(self, dit, specs):
+            return None
+
+        def constrain(self, tensor, spec):
+            return tensor * 1
+
+    dit = build_dit("t2v-a14b")
+    inputs = dit_inputs("t2v-a14b", PADDED)
+    reference = _eager(dit, inputs)
+    handle = apply_dit_sp_activation_sharding(dit, "2x4", backend=PlainOps(as_mesh_spec("2x4")), padding="mask")
+    compiled = torch.compile(dit, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        out = compiled(**inputs, return_dict=False)[0]
+    handle.remove()
+    assert (out - reference).abs().max() <= 1e-5
