@@ -67,6 +67,14 @@ API_SCRIPT = textwrap.dedent('''
     shared = type(pipe)(**{**pipe.components, "transformer": experts[0], "transformer_2": experts[1]})
     r["shared_expert"] = refused(lambda: shard_pipeline(shared, "2x4", backend="xla"))
     r["wrappers_kept_after_refusals"] = (pipe.transformer, pipe.transformer_2) == wrappers
+    # copies of a sharded pipeline would share its device weights and hooks: refused, pipeline intact
+    import copy, pickle
+    r["deepcopy"] = refused(lambda: copy.deepcopy(pipe))
+    r["pickle"] = refused(lambda: pickle.dumps(pipe))
+    r["wrappers_kept_after_copy"] = (pipe.transformer, pipe.transformer_2) == wrappers
+    # an eager call of an expert with SP hooks, on host tensors: says to use backend.run
+    from wan_sharding.models import LatentShape, dit_inputs
+    r["eager_host_call"] = refused(lambda: experts[0](**dit_inputs("t2v-a14b", LatentShape(2, 8, 12))))
     other = build_tiny_pipeline("t2v-a14b")  # a second instance, same weights, not sharded
     r["other_instance_unaffected"] = bool(torch.equal(run(other), reference))
     sharded = run(pipe)
@@ -179,6 +187,10 @@ def test_shard_pipeline_refuses_restores_and_isolates(jobs):
     assert "already sharded" in r["twice"] and "remove()" in r["twice"]
     assert "sequence-parallel hooks" in r["shared_expert"]
     assert r["wrappers_kept_after_refusals"]
+    for how in ("deepcopy", "pickle"):  # refused with the way to do it; sharded_close below: still exact
+        assert "cannot be copied or pickled" in r[how] and "handle.remove() first, copy, then shard_pipeline" in r[how]
+    assert r["wrappers_kept_after_copy"]
+    assert "backend.run" in r["eager_host_call"] and "ran eagerly on cpu tensors" in r["eager_host_call"]
     assert r["other_instance_unaffected"]
     assert r["sharded_close"] <= MAX_ABS
     assert r["restored_objects"] and r["restored_params"] and r["restored_config"]

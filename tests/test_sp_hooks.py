@@ -4,6 +4,8 @@ Runs in this pytest process on JAX's 8 CPU devices (see conftest.py).
 """
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -135,3 +137,68 @@ def test_no_diffusers_class_is_modified():
     assert {c: dict(vars(c)) for c in classes} == before
     handle.remove()
     assert {c: dict(vars(c)) for c in classes} == before
+
+
+@pytest.mark.parametrize("copy_model", [copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())],
+                         ids=["deepcopy", "pickle", "torch.save"])
+def test_copying_a_model_with_sp_is_refused_and_leaves_it_intact(copy_model):
+    """A copy would share the original's hooks and forward state (silently wrong): refused, with
+    the way to do it; the original still runs exactly as before, and after remove() it copies."""
+    dit = build_dit("t2v-a14b")
+    inputs = dit_inputs("t2v-a14b", PADDED)
+    backend = get_backend("jax", "2x4")
+    placed = backend.place(dit, shard_dit_specs(dit, "2x4"))
+    handle = apply_dit_sp_activation_sharding(dit, "2x4", backend=backend, padding="mask")
+    before, state = backend.run(dit, placed, **inputs), _hook_state(dit)
+    with pytest.raises(ShardingError, match=r"cannot be copied or pickled.*handle.remove\(\) first, copy, then"):
+        copy_model(dit)
+    assert _hook_state(dit) == state
+    assert torch.equal(backend.run(dit, placed, **inputs), before)
+    handle.remove()
+    copy_model(dit)  # a plain model copies again
+
+
+def test_copy_is_refused_without_padding_processors_too():
+    """padding='none' installs hooks only (no attention processors): they refuse the copy as well."""
+    dit = build_dit("t2v-a14b")
+    handle = apply_dit_sp_activation_sharding(dit, "2x4", backend="jax", padding="none")
+    assert _hook_state(dit)[1] == ["WanAttnProcessor", "WanAttnProcessor"]
+    with pytest.raises(ShardingError, match="cannot be copied"):
+        copy.deepcopy(dit)
+    handle.remove()
+
+
+def test_empty_padding_is_an_error_not_the_default():
+    dit = build_dit("t2v-a14b")
+    with pytest.raises(ShardingError, match="unknown padding mode ''"):
+        apply_dit_sp_activation_sharding(dit, "2x4", backend="jax", padding="")
+    assert _hook_state(dit) == (0, ["WanAttnProcessor", "WanAttnProcessor"])
+
+
+def test_hooks_trace_whole_under_torch_compile():
+    """The tt backend runs the hooked model through torch.compile: the package's hook objects must
+    trace without a graph break. A backend whose constraint is a plain op stands in for the device."""
+    from wan_sharding.backends.base import Backend
+    from wan_sharding.mesh import as_mesh_spec
+
+    class PlainOps(Backend):
+        name = "plain"
+
+        def _make_mesh(self, mesh):
+            return None
+
+        def place(self, dit, specs):
+            return None
+
+        def constrain(self, tensor, spec):
+            return tensor * 1
+
+    dit = build_dit("t2v-a14b")
+    inputs = dit_inputs("t2v-a14b", PADDED)
+    reference = _eager(dit, inputs)
+    handle = apply_dit_sp_activation_sharding(dit, "2x4", backend=PlainOps(as_mesh_spec("2x4")), padding="mask")
+    compiled = torch.compile(dit, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        out = compiled(**inputs, return_dict=False)[0]
+    handle.remove()
+    assert (out - reference).abs().max() <= 1e-5

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .attention import PADDING_MODES, ForwardState, build_key_mask
+from .attention import PADDING_MODES, ForwardState, RefusesCopy, build_key_mask
 from .backends import Backend, get_backend
 from .mesh import MeshSpec, as_mesh_spec, padded_length
 from .options import DEFAULT_PADDING
@@ -45,6 +45,29 @@ def _sp_spec(ndim: int, dim: int, axis: str | None) -> tuple:
     spec = [None] * ndim
     spec[dim] = axis
     return tuple(spec)
+
+
+class _Hook(RefusesCopy):
+    """One hook the package installs on a model: a plain callable wrapper, so that copying or
+    pickling the model (which would copy the hook by reference, still bound to the original's
+    forward state and backend) stops with a clear error instead of giving a wrong model."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def _check_on_device(be: Backend, x: torch.Tensor) -> None:
+    """A backend that runs on its device (torch-xla, tt) needs the forward's tensors there; a plain
+    eager call of the hooked model on host tensors gets a clear error instead of torch-xla's."""
+    if getattr(be, "uses_torch_xla", False) and x.device.type != "xla":
+        raise ShardingError(
+            f"this model has SP hooks for the {be.name} backend but ran eagerly on {x.device.type} tensors; run it with "
+            f"backend.run(dit, backend.place(dit, specs), **inputs) (or through shard_pipeline's ShardedTransformer), "
+            "which puts the model and inputs on the device"
+        )
 
 
 @dataclass
@@ -128,7 +151,8 @@ def apply_dit_sp_activation_sharding(
     check_wan_model(dit)
     if dit in _APPLIED:
         raise ShardingError("sequence parallelism is already applied to this model; call handle.remove() first")
-    padding = padding or (plan.padding if plan is not None else DEFAULT_PADDING)
+    if padding is None:  # only None means "the default": "" is a bad value, not a request for mask
+        padding = plan.padding if plan is not None else DEFAULT_PADDING
     if padding not in PADDING_MODES:
         raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_MODES)}")
     # Roles (which axis is SP, which TP) come from the plan when there is one; the backend only
@@ -167,9 +191,12 @@ def apply_dit_sp_activation_sharding(
         module = modules[point.module]
         if isinstance(point, SPSplit) and point.arg is None:  # rope: split both output tables
             def rope_hook(mod, args, out, dim=point.dim):
+                _check_on_device(be, args[0])  # rope runs first in the forward: the one place to check
+                for t in out:
+                    _check_on_device(be, t)
                 return tuple(shard_tokens(t, dim) for t in out)
 
-            handle._hooks.append(module.register_forward_hook(rope_hook))
+            handle._hooks.append(module.register_forward_hook(_Hook(rope_hook)))
             handle.points.append(f"{point.module} outputs: {split}")
         elif isinstance(point, SPSplit):  # block-stack entry
             def entry_hook(mod, args, kwargs, dim=point.dim, arg=point.arg):
@@ -188,7 +215,7 @@ def apply_dit_sp_activation_sharding(
                     return args, {**kwargs, arg: x}
                 return (x, *args[1:]), kwargs
 
-            handle._hooks.append(module.register_forward_pre_hook(entry_hook, with_kwargs=True))
+            handle._hooks.append(module.register_forward_pre_hook(_Hook(entry_hook), with_kwargs=True))
             handle.points.append(f"{point.module}.{point.arg}: {split}")
         elif isinstance(point, SPGather):  # exit: back to replicated, then drop the padding
             def exit_hook(mod, args, out, dim=point.dim):
@@ -196,7 +223,7 @@ def apply_dit_sp_activation_sharding(
                     out = be.constrain(out, (None,) * out.ndim)
                 return out.narrow(dim, 0, state.valid_len) if state.padded else out
 
-            handle._hooks.append(module.register_forward_hook(exit_hook))
+            handle._hooks.append(module.register_forward_hook(_Hook(exit_hook)))
             handle.points.append(f"{point.module} output: replicated, slice to L")
 
     # Wan 2.2 TI2V: per-token timesteps make temb (B, L, D) and timestep_proj (B, L, 6D); they
@@ -208,13 +235,13 @@ def apply_dit_sp_activation_sharding(
         to = padded_length(temb.shape[1], multiple)
         return (_pad_dim(temb, 1, to), _pad_dim(proj, 1, to), *rest)
 
-    handle._hooks.append(modules["condition_embedder"].register_forward_hook(cond_hook, with_kwargs=True))
+    handle._hooks.append(modules["condition_embedder"].register_forward_hook(_Hook(cond_hook), with_kwargs=True))
 
     if plan is not None and plan.layout == "sharded" and mesh_spec.tp_axis is not None:
         # tt-metal's layout: the residual stream stays TP-sharded on D between blocks.
         residual = (None, sp_axis, mesh_spec.tp_axis)
         for block in dit.blocks:
-            handle._hooks.append(block.register_forward_hook(lambda mod, args, out: be.constrain(out, residual)))
+            handle._hooks.append(block.register_forward_hook(_Hook(lambda mod, args, out: be.constrain(out, residual))))
         handle.points.append(f"blocks.* outputs: D-on-{mesh_spec.tp_axis}")
 
     mode_cls = PADDING_MODES[padding]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .options import DEFAULT_PADDING, PADDING_NAMES  # noqa: F401  (DEFAULT_PADDING re-exported beside the modes)
+from .specs import ShardingError
 
 
 @dataclass
@@ -46,7 +47,26 @@ def build_key_mask(valid_len: int, padded_len: int, like: torch.Tensor) -> torch
     return torch.where(pos < valid_len, zero, neg).view(1, 1, 1, padded_len)
 
 
-class _PaddedAttention:
+class RefusesCopy:
+    """For the objects the package installs on a model (hooks, attention processors): deep copy and
+    pickling of the model reach them and stop with a clear error. A copy would otherwise keep them
+    bound to the original's forward state and backend and compute wrong results silently."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise _copy_error()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _copy_error()
+
+
+def _copy_error() -> ShardingError:
+    return ShardingError(
+        "a model with sequence parallelism applied cannot be copied or pickled (its hooks belong to the original); "
+        "call handle.remove() first, copy, then apply_dit_sp_activation_sharding to each copy"
+    )
+
+
+class _PaddedAttention(RefusesCopy):
     """Base for the per-instance processors: falls through to the wrapped processor when the
     forward is not padded or the call is not self-attention."""
 

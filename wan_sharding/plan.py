@@ -20,10 +20,11 @@ device once per forward, which diffusers' split of the timestep input avoids
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Mapping
 
-from .options import DEFAULT_PADDING  # noqa: F401  (re-exported: a plan's default padding)
+from .options import DEFAULT_PADDING, PADDING_NAMES  # DEFAULT_PADDING re-exported: a plan's default padding
 
 # ---- tensor-parallel styles ------------------------------------------------------------------
 COLWISE = "colwise"  # Linear split on its output features: no collective
@@ -112,6 +113,10 @@ SELF_ATTENTION = "blocks.*.attn1"
 LAYOUTS = ("replicated", "sharded")
 
 
+class PlanError(ValueError):
+    """A sharding plan with a field of the wrong type or value (one line naming the field)."""
+
+
 @dataclass(frozen=True)
 class ShardingPlan:
     """Everything that decides how one DiT is sharded on one mesh, as plain data.
@@ -139,10 +144,40 @@ class ShardingPlan:
     padding: str = DEFAULT_PADDING
 
     def __post_init__(self) -> None:
+        # Every field checked for type and value: a plan comes from JSON files people edit, where
+        # "false" is a truthy string and a misspelt padding would otherwise load.
         for name in ("mesh_shape", "axis_names", "sp_axes", "tp_axes"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+                raise PlanError(f"plan field {name!r} must be a list, got {value!r}"
+                                + (f"; write [{value!r}]" if isinstance(value, str) else ""))
+            object.__setattr__(self, name, tuple(value))
+        if not self.mesh_shape or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1
+                                      for s in self.mesh_shape):
+            raise PlanError(f"plan field 'mesh_shape' must be positive integers such as [2, 4], got {list(self.mesh_shape)}")
+        object.__setattr__(self, "mesh_shape", tuple(int(s) for s in self.mesh_shape))
+        if any(not isinstance(a, str) or not a for a in self.axis_names) or len(set(self.axis_names)) != len(self.axis_names):
+            raise PlanError(f"plan field 'axis_names' must be distinct non-empty names, got {list(self.axis_names)}")
+        if len(self.axis_names) != len(self.mesh_shape):
+            raise PlanError(f"plan has {len(self.mesh_shape)} mesh sizes {list(self.mesh_shape)} but "
+                            f"{len(self.axis_names)} axis names {list(self.axis_names)}; give one name per size")
+        for name in ("sp_axes", "tp_axes"):
+            axes = getattr(self, name)
+            unknown = [a for a in axes if a not in self.axis_names]
+            if unknown:
+                raise PlanError(f"plan field {name!r} names {unknown}, not axes of this mesh; "
+                                f"use names from axis_names {list(self.axis_names)}")
+            if len(set(axes)) != len(axes):
+                raise PlanError(f"plan field {name!r} repeats an axis: {list(axes)}")
+        shared = sorted(set(self.sp_axes) & set(self.tp_axes))
+        if shared:
+            raise PlanError(f"plan gives axis {shared} both SP and TP; each mesh axis carries one role")
+        if type(self.fsdp) is not bool:
+            raise PlanError(f"plan field 'fsdp' must be true or false (a JSON boolean), got {self.fsdp!r}")
         if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS}")
+            raise PlanError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
+        if self.padding not in PADDING_NAMES:
+            raise PlanError(f"unknown padding {self.padding!r}; choose one of {', '.join(PADDING_NAMES)}")
 
     def mesh(self):
         """The :class:`~wan_sharding.mesh.MeshSpec` with this plan's roles."""
@@ -163,7 +198,19 @@ class ShardingPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "ShardingPlan":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        """The plan ``to_dict`` wrote: every field present, no other key, each of the right type
+        and value (:class:`PlanError`, a ValueError, naming the field otherwise)."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan must be a JSON object with the fields {', '.join(cls.__dataclass_fields__)}, "
+                            f"got {type(data).__name__}")
+        fields = list(cls.__dataclass_fields__)
+        unknown = [k for k in data if k not in fields]
+        missing = [k for k in fields if k not in data]
+        if unknown or missing:
+            raise PlanError("plan " + "; ".join(
+                ([f"has unknown field(s) {unknown}"] if unknown else [])
+                + ([f"lacks field(s) {missing}"] if missing else [])) + f"; a plan has exactly {fields}")
+        return cls(**{k: data[k] for k in fields})
 
     def save(self, path) -> None:
         import json
@@ -173,7 +220,21 @@ class ShardingPlan:
 
     @classmethod
     def load(cls, path) -> "ShardingPlan":
+        """Read a plan file written by :meth:`save`; :class:`PlanError` (one line) when it cannot
+        be read, is not JSON, or a field is wrong."""
         import json
         from pathlib import Path
 
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {e.strerror if isinstance(e, OSError) else e}") from None
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise PlanError(f"plan file {str(path)!r} is not JSON ({e}); write it with ShardingPlan.save "
+                            "or `wan-sharding plan --write`") from None
+        try:
+            return cls.from_dict(data)
+        except PlanError as e:
+            raise PlanError(f"plan file {str(path)!r}: {e}") from None

@@ -6,26 +6,44 @@ each mesh with each executing backend (CPU virtual devices), against the unshard
 
 Exit codes: 0 success; 1 a check failed (PCC, bill, tiles) or a worker failed; 2 a usage error;
 130 interrupted (Ctrl-C, SIGTERM), after every worker the command started has been stopped.
+
+Errors are one line on stderr, ``wan-sharding <command>: error: <problem>; <fix>``: bad input is
+found before any worker starts (``wan_sharding.cli.validate``). ``--debug`` (anywhere on the
+command line) or ``WAN_SHARDING_DEBUG=1`` adds the Python traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
+from typing import NoReturn
 
 from . import check as check_commands
 from . import compile as compile_commands
 from . import pipeline as pipeline_commands
 from . import plan as plan_commands
+from .validate import UsageError, join_negative_values
 
+EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+DEBUG_ENV = "WAN_SHARDING_DEBUG"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage block stays behind ``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="wan-sharding",
         description="Shard the unmodified diffusers Wan 2.2 DiT on Tenstorrent meshes. With no subcommand: check.",
-        epilog="exit codes: 0 ok; 1 a check or worker failed; 2 usage error; 130 interrupted (workers stopped)")
+        epilog="exit codes: 0 ok; 1 a check or worker failed; 2 usage error; 130 interrupted (workers stopped). "
+               f"--debug (anywhere) or {DEBUG_ENV}=1: Python tracebacks with errors")
     sub = ap.add_subparsers(dest="command")
     for commands in (check_commands, compile_commands, plan_commands, pipeline_commands):
         commands.add_subcommands(sub)
@@ -33,8 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     from ..workers import install_signal_handlers
 
     # The CLI process itself never runs a stack (its workers do, each with its own environment:
@@ -42,16 +58,32 @@ def main(argv: list[str] | None = None) -> int:
     # here does not warn about defaulting to it.
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     install_signal_handlers()  # SIGTERM unwinds like Ctrl-C, so workers are stopped
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = join_negative_values([a for a in argv if a != "--debug"])
     parser = build_parser()
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["check", *argv]
     args = parser.parse_args(argv)
+    prog = f"wan-sharding {args.command}"
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("wan-sharding: interrupted; its workers were stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except UsageError as e:  # found before any worker started
+        _report(prog, str(e), debug)
+        return EXIT_USAGE
+    except Exception as e:  # a bug or an environment failure: still one line unless debugging
+        _report(prog, f"{type(e).__name__}: {e}".splitlines()[0]
+                + ("" if debug else f" (rerun with --debug or {DEBUG_ENV}=1 for the traceback)"), debug)
+        return 1
 
 
-__all__ = ["EXIT_INTERRUPTED", "build_parser", "main"]
+def _report(prog: str, message: str, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    print(f"{prog}: error: {message}", file=sys.stderr)
+
+
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "UsageError", "build_parser", "main"]

@@ -7,17 +7,23 @@ import json
 import time
 from typing import Any
 
-from ..jobs.check import Case, run_in_subprocess
+from ..jobs.check import CASE_LATENTS, Case, run_in_subprocess
 from ..jobs.pcc import PCC_THRESHOLDS
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
 from ..options import CPU_BACKENDS, DEFAULT_PADDING, EXECUTING_BACKENDS
 from .args import add_dtype, add_mesh, add_padding, add_patches, preset, stack_missing
+from .validate import check_length, check_rope_length
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 
 
 def _check(args: argparse.Namespace) -> int:
+    from ..models import config_for
+
+    for length in args.lengths:
+        if length not in CASE_LATENTS:
+            check_rope_length(length, config_for(args.variant)["rope_max_seq_len"], "--lengths")
     if stack_missing(args.backends):
         return 1
     cases = [Case(args.variant, length, args.dtype, args.padding, "+".join(args.patches)) for length in args.lengths]
@@ -84,7 +90,7 @@ def add_subcommands(sub: Any) -> None:
                        help=f"default {' '.join(CPU_BACKENDS)} (CPU virtual devices); tt runs on Tenstorrent "
                             "devices and needs Tenstorrent's stack")
     check.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)
-    check.add_argument("--lengths", nargs="+", default=["aligned", "padded"],
+    check.add_argument("--lengths", nargs="+", default=["aligned", "padded"], type=check_length(tuple(CASE_LATENTS)),
                        help="'aligned' (256 tokens), 'padded' (105 tokens) or a latent shape F,H,W")
     add_dtype(check, "fp32")
     add_padding(check, DEFAULT_PADDING)

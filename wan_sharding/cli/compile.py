@@ -25,15 +25,17 @@ from ..models import RESOLUTIONS, VARIANTS
 from ..options import DEFAULT_PADDING
 from ..workers import atomic_write
 from .args import add_dtype, add_padding, add_patches
+from .validate import latent, output_dir, output_file, positive_float, positive_int
 
 
 def _cmd_sysdesc(args: argparse.Namespace) -> int:
+    output_file(args.output, "-o")
     try:
         mesh = mesh_from_preset(args.mesh)
         path = sysdesc.write_system_descriptor(args.output, args.arch, mesh.num_devices,
                                                grid=tuple(mesh.shape), topology=args.topology)
     except (MeshError, ValueError, sysdesc.SystemDescriptorError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     data = path.read_bytes()
     desc = sysdesc.read_system_descriptor(data)
@@ -46,13 +48,15 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
     try:
         sysdesc.check_plugin_schema(data)
     except sysdesc.SystemDescriptorError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     print(f"matches {sysdesc.PLUGIN_DIST}=={version}; use it with TT_COMPILE_ONLY_SYSTEM_DESC={path}")
     return EXIT_OK
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
+    if args.out:
+        output_dir(args.out, "--out")
     t0 = time.perf_counter()
     try:
         latent = latent_for(args.resolution, args.latent)
@@ -70,7 +74,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
         else:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     report["wall_seconds"] = round(time.perf_counter() - t0, 2)
     if out is not None:
@@ -103,14 +107,14 @@ def add_subcommands(sub: Any) -> None:
                     "and the per-device token dims for tile alignment. Exit 1 when a check fails.")
     c.add_argument("--mesh", default="8x4", help=f"mesh preset: {', '.join(PRESETS)} (default 8x4)")
     c.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
-    c.add_argument("--latent", default=None, help="latent F,H,W instead of a resolution, e.g. 21,60,104")
+    c.add_argument("--latent", default=None, type=latent, help="latent F,H,W instead of a resolution, e.g. 21,60,104")
     c.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
-    c.add_argument("--blocks", type=int, default=None, help="transformer blocks (default: all of the variant's)")
+    c.add_argument("--blocks", type=positive_int, default=None, help="transformer blocks (default: all of the variant's)")
     c.add_argument("--size", choices=["full", "tiny"], default="full", help="real widths or the tiny test config")
     c.add_argument("--arch", choices=archs, default="wormhole_b0")
     add_padding(c, DEFAULT_PADDING)
     add_dtype(c, "bf16")
-    c.add_argument("--batch", type=int, default=1)
+    c.add_argument("--batch", type=positive_int, default=1)
     c.add_argument("--frontend", choices=list(FRONTENDS), default="torchax",
                    help="torchax: the DiT as a JAX function, abstract weights (any depth); torch-xla: the lowering "
                         "Tenstorrent hardware compiles (real weights in host memory: keep full width to a few blocks)")
@@ -121,7 +125,7 @@ def add_subcommands(sub: Any) -> None:
                    help="drop the replicated constraint before each L-on-SP split (shows why it is there)")
     c.add_argument("--out", default=None, help="folder for IRs, logs and report.json (default: a new temp folder, "
                                                 "kept so the printed IR paths stay readable)")
-    c.add_argument("--timeout", type=float, default=3600.0, help="seconds for both compiles (default 3600)")
+    c.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds for both compiles (default 3600)")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     c.add_argument("-v", "--verbose", action="store_true", help="echo the compiler log")
     c.set_defaults(func=_cmd_compile)

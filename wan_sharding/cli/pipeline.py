@@ -15,6 +15,7 @@ from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
 from ..options import EXECUTING_BACKENDS, DEFAULT_PADDING
 from .args import add_cache, add_dtype, add_mesh, add_padding, add_patches, stack_missing
+from .validate import check_generate, check_profile
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
 
@@ -24,6 +25,7 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    check_generate(args)
     if stack_missing([args.backend]):
         return 1
     run = run_generate(_params(args))
@@ -33,6 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    check_profile(args)
     if args.cache != "none" and "dit" in args.what:
         print("wan-sharding profile: error: --cache acts across denoising steps; use it with --what step", file=sys.stderr)
         return 2

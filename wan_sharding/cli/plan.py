@@ -29,10 +29,20 @@ from ..planner.hardware import ARCHS, TOPOLOGIES
 from ..planner.ir_cost import ATTENTION_MODES
 from ..planner.report import EXIT_ERROR, format_report, plan_exit_code
 from ..plan import LAYOUTS
+from ..mesh import MeshError, parse_mesh_shape
 from ..workers import atomic_path
+from .validate import UsageError, latent, output_dir, output_file, positive_float, positive_int
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        parse_mesh_shape(args.mesh)
+    except MeshError as e:
+        raise UsageError(f"--mesh: {e}") from None
+    if args.write:
+        output_file(args.write, "--write")
+    if args.out:
+        output_dir(args.out, "--out")
     t0 = time.perf_counter()
     progress = None if args.json or args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     keep = restriction(args.layout, args.padding, None if args.fsdp is None else args.fsdp == "on")
@@ -45,7 +55,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
         else:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     data = report.to_json()
     data["wall_seconds"] = round(time.perf_counter() - t0, 2)
@@ -72,9 +82,9 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--mesh", default="8x4", help="physical chip grid ROWSxCOLS (default 8x4)")
     p.add_argument("--arch", choices=list(ARCHS), default="wormhole_b0")
     p.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
-    p.add_argument("--latent", default=None, help="latent F,H,W instead of a resolution")
+    p.add_argument("--latent", default=None, type=latent, help="latent F,H,W instead of a resolution")
     p.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
-    p.add_argument("--top", type=int, default=6, help="stage-1 survivors to compile (default 6)")
+    p.add_argument("--top", type=positive_int, default=6, help="stage-1 survivors to compile (default 6)")
     p.add_argument("--attention", choices=list(ATTENTION_MODES), default="fused",
                    help="whether attention scores stay on chip (fused, default) or go to DRAM")
     p.add_argument("--topology", choices=list(TOPOLOGIES), default="machine",
@@ -84,7 +94,7 @@ def add_subcommands(sub: Any) -> None:
                    help="only plans with this padding mode (SP 1 plans, which need none, stay)")
     p.add_argument("--fsdp", choices=["on", "off"], default=None, help="only plans with (on) or without (off) FSDP")
     p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per compile batch")
+    p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per compile batch")
     p.add_argument("--out", default=None, help="folder for the compiled IRs (default: a new temp folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--write", default=None, metavar="PLAN.json", help="save the recommended ShardingPlan")

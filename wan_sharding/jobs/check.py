@@ -33,10 +33,13 @@ class Case:
     dtype: str = "fp32"
     padding: str = DEFAULT_PADDING
     patches: str = ""  # model rewrites for the sharded model, "+"-joined (wan_sharding.patches)
+    config: str = ""  # overrides of the tiny config, "name=int,..." (the fuzz's random models)
+    batch: int = 1
 
     @property
     def key(self) -> str:
-        return f"{self.variant}-{self.length}-{self.dtype}-{self.padding}" + (f"-{self.patches}" if self.patches else "")
+        extra = [self.patches, self.config.replace("=", "").replace(",", "-"), f"b{self.batch}" if self.batch != 1 else ""]
+        return "-".join([self.variant, self.length, self.dtype, self.padding, *(e for e in extra if e)])
 
     def latent(self):
         from ..models import LatentShape
@@ -44,12 +47,23 @@ class Case:
         dims = CASE_LATENTS.get(self.length) or tuple(int(v) for v in self.length.split(","))
         return LatentShape(*dims)
 
+    def overrides(self) -> dict[str, int]:
+        """The tiny-config overrides as keyword arguments of ``build_dit``."""
+        return {k: int(v) for k, v in (item.split("=") for item in self.config.split(",") if item)}
+
     @classmethod
     def parse(cls, text: str) -> "Case":
-        return cls(*text.split(":"))
+        parts: list = text.split(":")
+        if len(parts) > 6:
+            parts[6] = int(parts[6])
+        return cls(*parts)
 
     def __str__(self) -> str:
-        return f"{self.variant}:{self.length}:{self.dtype}:{self.padding}" + (f":{self.patches}" if self.patches else "")
+        parts = [self.variant, self.length, self.dtype, self.padding, self.patches, self.config, str(self.batch)]
+        defaults = [None] * 4 + ["", "", "1"]  # the optional fields are left off when at their default
+        while parts[-1] == defaults[len(parts) - 1]:
+            parts.pop()
+        return ":".join(parts)
 
 
 # ------------------------------------------------------------------------------------ parent side
@@ -85,8 +99,8 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
     from ..options import torch_dtype
 
     dtype = torch_dtype(case.dtype)
-    dit = build_dit(case.variant, "tiny", dtype=dtype)
-    inputs = dit_inputs(case.variant, case.latent(), dtype=dtype)
+    dit = build_dit(case.variant, "tiny", dtype=dtype, **case.overrides())
+    inputs = dit_inputs(case.variant, case.latent(), dtype=dtype, batch=case.batch)
     with torch.no_grad():
         reference = dit(**inputs, return_dict=False)[0]
 

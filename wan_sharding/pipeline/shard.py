@@ -159,6 +159,16 @@ class ShardedTransformer(torch.nn.Module):
     def _release(self) -> None:
         self.__dict__.update(_dit=None, _placed=None)
 
+    # --- copying: refused (a copy would share the original's device weights and SP hooks) ---
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise ShardingError(
+            f"a pipeline sharded with shard_pipeline cannot be copied or pickled (its {self.component} runs the "
+            "original's weights on the mesh); call handle.remove() first, copy, then shard_pipeline each copy"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.__deepcopy__({})
+
     def extra_repr(self) -> str:
         inner = type(self._dit).__name__ if self._dit is not None else "removed"
         return f"{self.component}: {inner} on {self._backend.name} {self._backend.mesh.name}, padding={self.padding}"

@@ -194,14 +194,20 @@ def load_pipeline(path: str | Path, dtype: torch.dtype = torch.bfloat16):
             f"{path} is not a diffusers pipeline directory (no model_index.json); pass the directory of a "
             "downloaded Wan 2.2 diffusers checkpoint, e.g. a local copy of Wan-AI/Wan2.2-T2V-A14B-Diffusers"
         )
+    import json
+
+    try:
+        index = json.loads((path / "model_index.json").read_text())
+    except ValueError as e:  # a truncated or hand-edited file: say which, not a JSON traceback
+        raise PipelineUnavailable(f"{path / 'model_index.json'} is not valid JSON ({e}); re-download or re-save "
+                                  "the checkpoint") from None
+    if not isinstance(index, dict):
+        raise PipelineUnavailable(f"{path / 'model_index.json'} is not a JSON object; re-download or re-save the checkpoint")
     classes = pipeline_classes()  # clear error when transformers is missing
     from diffusers import DiffusionPipeline
 
-    import json
-
     # Components saved as [null, null] (a pipeline saved without a text encoder, like the tiny one)
     # must be passed as None explicitly.
-    index = json.loads((path / "model_index.json").read_text())
     absent = {k: None for k, v in index.items() if isinstance(v, list) and v and v[0] is None}
     pipe = DiffusionPipeline.from_pretrained(str(path), local_files_only=True, dtype=dtype, **absent)
     if not isinstance(pipe, tuple(classes.values())):

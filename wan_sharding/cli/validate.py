@@ -1,0 +1,258 @@
+"""Checks of command-line input, all in one place, run before any worker starts.
+
+Each check raises :class:`UsageError` (or, as an argparse ``type``, ``ArgumentTypeError``) with one
+line that names the problem and the fix; ``wan-sharding`` prints it as
+``wan-sharding <command>: error: ...`` and exits 2 (``wan_sharding.cli.main``). Nothing is changed
+on disk by a check: output paths are tested for writability (an unnamed temporary file), not created.
+
+The numbers come from the diffusers Wan 2.2 pipelines (``diffusers/pipelines/wan/pipeline_wan.py``):
+frames must be ``4k+1`` (the VAE's temporal factor, ``scale_factor_temporal`` 4) and height and
+width multiples of the VAE's spatial factor times the DiT's patch size (the pipeline otherwise
+rounds them down with only a log warning), and at least 16 (its ``check_inputs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+class UsageError(ValueError):
+    """Bad command-line input: one line naming the problem and the fix (exit code 2)."""
+
+
+# ---- argparse types: a bad value is an argparse error (one line, exit 2) --------------------------
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (steps, iterations, blocks, batch, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+# The DiT patch (frames, height, width): the same for every Wan 2.2 variant (wan_sharding.models).
+PATCH = (1, 2, 2)
+
+
+def parse_latent(text: str) -> tuple[int, int, int]:
+    """``"F,H,W"`` (or ``FxHxW``) as three positive sizes, H and W divisible by the patch size."""
+    parts = str(text).replace("x", ",").split(",")
+    try:
+        dims = tuple(int(p) for p in parts)
+    except ValueError:
+        dims = ()
+    if len(dims) != 3:
+        raise argparse.ArgumentTypeError(f"latent must be three whole numbers F,H,W such as 3,10,14, got {text!r}")
+    if min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"latent sizes must be >= 1, got {text!r}; e.g. 3,10,14")
+    bad = [f"{n} {v}" for n, v, p in zip(("F", "H", "W"), dims, PATCH) if v % p]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"latent {text!r}: {', '.join(bad)} not divisible by the patch size {PATCH[1]}; use even H and W")
+    return dims  # type: ignore[return-value]
+
+
+def latent(text: str) -> str:
+    """argparse type: a latent shape, normalised to ``"F,H,W"``."""
+    return ",".join(map(str, parse_latent(text)))
+
+
+def check_length(names: tuple[str, ...]):
+    """argparse type for ``check --lengths``: one of ``names`` or a latent ``F,H,W``."""
+    def length(text: str) -> str:
+        if text in names:
+            return text
+        try:
+            return latent(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (or one of: {', '.join(names)})") from None
+    return length
+
+
+# Option values that start with '-' and hold a comma (``--latent -1,2,2``) are not numbers to
+# argparse, which then reads them as an unknown option; joined as ``--latent=-1,2,2`` they reach the
+# option's own check and get its message.
+_NEGATIVE_LIST = re.compile(r"^-\d+(,-?\d+)+$")
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``[..., "--latent", "-1,2,2"]`` -> ``[..., "--latent=-1,2,2"]``."""
+    out: list[str] = []
+    for tok in argv:
+        if out and _NEGATIVE_LIST.match(tok) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
+# ---- checks that need several options or the file system ---------------------------------------
+
+
+def check_rope_length(dims: tuple[int, ...] | str, limit: int, what: str) -> None:
+    """The patchified grid of a latent must fit the DiT's rope table (``rope_max_seq_len`` per axis)."""
+    if isinstance(dims, str):
+        dims = parse_latent(dims)
+    grid = [d // p for d, p in zip(dims, PATCH)]
+    if max(grid) > limit:
+        raise UsageError(f"{what} {','.join(map(str, dims))} has a patch grid {'x'.join(map(str, grid))}, past the "
+                         f"tiny DiT's rope table of {limit} per axis; use a smaller latent")
+
+
+def video_factors(variant: str, model: str | None) -> tuple[int, int]:
+    """(temporal factor, height/width multiple) of the pipeline ``generate`` will build: the tiny
+    pipeline's VAE, or the checkpoint's own VAE and DiT configs (read from ``model``)."""
+    if model is None:
+        from ..pipeline.tiny import VARIANT_PIPELINES
+
+        spatial = 16 if VARIANT_PIPELINES[variant].vae == "wan2.2" else 8
+        return 4, max(16, spatial * PATCH[1])
+    root = Path(model)
+    vae = _json_file(root / "vae" / "config.json", required=False) or {}
+    dit = (_json_file(root / "transformer" / "config.json", required=False)
+           or _json_file(root / "transformer_2" / "config.json", required=False) or {})
+    patch = dit.get("patch_size") or PATCH
+    return int(vae.get("scale_factor_temporal") or 4), max(16, int(vae.get("scale_factor_spatial") or 8) * int(patch[1]))
+
+
+def check_video(frames_: int | None, height: int | None, width: int | None, variant: str, model: str | None) -> None:
+    """Frames of the 4k+1 form and sizes the pipeline can patchify without rounding them."""
+    temporal, multiple = video_factors(variant, model)
+    if frames_ is not None and (frames_ - 1) % temporal:
+        low = (frames_ - 1) // temporal * temporal + 1
+        raise UsageError(f"--frames {frames_}: this pipeline needs {temporal}k+1 frames; use {low} or {low + temporal}")
+    for flag, value in (("--height", height), ("--width", width)):
+        if value is not None and value % multiple:
+            low = value // multiple * multiple
+            fix = f"{low} or {low + multiple}" if low else str(multiple)
+            raise UsageError(f"{flag} {value} is not a multiple of {multiple} (VAE stride x patch size of this "
+                             f"pipeline); use {fix}")
+
+
+def _json_file(path: Path, required: bool = True) -> Any:
+    if not path.is_file():
+        if required:
+            raise UsageError(f"{path} is missing")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"{path} is not readable JSON ({e}); re-download or re-save the checkpoint") from None
+
+
+def model_dir(path: str) -> str:
+    """A local diffusers Wan 2.2 pipeline directory: exists, and its ``model_index.json`` is JSON
+    naming a Wan pipeline class."""
+    from ..pipeline.shard import SUPPORTED_PIPELINES
+
+    root = Path(path)
+    if not root.is_dir():
+        raise UsageError(f"--model {path}: no such directory; pass the directory of a downloaded Wan 2.2 "
+                         "diffusers checkpoint (e.g. a local copy of Wan-AI/Wan2.2-T2V-A14B-Diffusers)")
+    if not (root / "model_index.json").is_file():
+        raise UsageError(f"--model {path} has no model_index.json, so it is not a diffusers pipeline directory; "
+                         "pass the checkpoint's top directory")
+    index = _json_file(root / "model_index.json")
+    name = index.get("_class_name") if isinstance(index, dict) else None
+    if name not in SUPPORTED_PIPELINES:
+        raise UsageError(f"--model {path}: model_index.json names {name!r}, not a Wan 2.2 pipeline "
+                         f"({', '.join(SUPPORTED_PIPELINES)})")
+    return path
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _writable_dir(start: Path, flag: str, target: Path) -> None:
+    base = _existing_ancestor(start)
+    if not base.is_dir():
+        raise UsageError(f"{flag} {target}: {base} is a file, not a directory; pick another path")
+    try:  # a probe, not os.access: root passes os.access where the file system still refuses (/proc)
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {target}: cannot write in {base} ({e.strerror}); pick a writable place") from None
+
+
+def output_dir(path: str | os.PathLike[str], flag: str) -> None:
+    """A directory the command will write into: an existing writable directory, or one that can
+    be created (its nearest existing parent is a writable directory). Never an existing file."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"{flag} {target} is an existing file, not a directory; pass a directory (it is created "
+                         "if missing)")
+    _writable_dir(target, flag, target)
+
+
+def output_file(path: str | os.PathLike[str], flag: str) -> None:
+    """A file the command will write (replacing it when it exists): not a directory, in a writable
+    (or creatable) directory."""
+    target = Path(path)
+    if str(path) == "" or target.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a directory (or empty); pass a file name such as out.json")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"{flag} {target} exists and is not writable; pick another path")
+    _writable_dir(target.parent, flag, target)
+
+
+# ---- whole commands (called first thing in the command, before any worker starts) ---------------
+
+
+def _option(flag: str, check, value: Any) -> Any:
+    """``check(value)`` with an argparse type's error turned into a UsageError naming ``flag``."""
+    try:
+        return check(str(value))
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"{flag} {value}: {e}") from None
+
+
+def check_generate(args: argparse.Namespace) -> None:
+    """``generate``: counts >= 1, a checkpoint that loads, frames/sizes the pipeline takes as they
+    are, and an output directory that can be written."""
+    _option("--steps", positive_int, args.steps)
+    for flag in ("frames", "height", "width"):
+        if getattr(args, flag) is not None:
+            _option(f"--{flag}", positive_int, getattr(args, flag))
+    if args.model is not None:
+        model_dir(args.model)
+    check_video(args.frames, args.height, args.width, args.variant, args.model)
+    output_dir(args.out, "--out")
+
+
+def check_profile(args: argparse.Namespace) -> None:
+    """``profile``: at least one warm-up (the first iteration compiles and is never timed) and one
+    timed iteration; a latent the tiny DiT can take."""
+    from ..models import config_for
+
+    _option("--iters", positive_int, args.iters)
+    if args.warmup < 1:
+        raise UsageError(f"--warmup {args.warmup}: must be >= 1 (the first iteration compiles, so it is a warm-up "
+                         "and never timed); use --warmup 1 or more")
+    if args.latent is not None:
+        args.latent = _option("--latent", latent, args.latent)
+        check_rope_length(args.latent, config_for(args.variant)["rope_max_seq_len"], "--latent")
