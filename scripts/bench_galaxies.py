@@ -70,7 +70,13 @@ def plan_runs(meshes: list[str], archs: list[str], timeout: float) -> list[dict]
     for arch in archs:
         for mesh in meshes:
             t0 = time.perf_counter()
-            rep = plan_sharding(mesh, arch, "t2v-a14b", "720p", timeout=timeout)
+            try:
+                rep = plan_sharding(mesh, arch, "t2v-a14b", "720p", timeout=timeout)
+            except RuntimeError as e:  # e.g. the plugin failing to start in its worker: say so, go on
+                out.append({"mesh": mesh, "arch": arch, "resolution": "720p", "error": str(e)[:300],
+                            "wall_seconds": round(time.perf_counter() - t0, 1), "counts": {}, "recommended": None,
+                            "ranked": []})
+                continue
             data = rep.to_json()
             rec = data["recommended"]
             out.append({"mesh": mesh, "arch": arch, "resolution": "720p", "wall_seconds": round(time.perf_counter() - t0, 1),
@@ -83,7 +89,7 @@ def plan_runs(meshes: list[str], archs: list[str], timeout: float) -> list[dict]
 
 def compile_table(runs: list[dict]) -> str:
     head = ["mesh", "chips", "arch", "variant", "res", "tokens -> padded", "tokens/chip", "per block", "bill",
-            "tiles", "padding ops (per fwd)", "tt-mlir s (1+2 blk)", "peak GB"]
+            "tiles", "padding adds (once per forward; per block)", "tt-mlir s (1+2 blk)", "worker peak GB"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         m = mesh_from_preset(r["mesh"])
@@ -92,13 +98,38 @@ def compile_table(runs: list[dict]) -> str:
                         f"FAILED: {str(r.get('error'))[:80]} |")
             continue
         tot = r.get("per_block_totals") or {}
-        pad = r.get("padding_ops_per_forward") or {}
-        pad_text = ", ".join(f"{k} +{v:g}" for k, v in sorted(pad.items(), key=lambda kv: -kv[1])[:3]) or "none"
+        pad = r.get("padding_ops_per_forward")
+        if pad is None:  # the unpadded twin cannot be split: the padding is what makes the mesh usable
+            pad_text = f"no unpadded twin: L/SP = {r['tokens'] / r['sp']:g}"
+        else:
+            per_block = r.get("padding_ops_per_block") or {}
+            pad_text = (", ".join(f"{k} +{v:g}" for k, v in sorted(pad.items(), key=lambda kv: -kv[1])[:3]) or "none")
+            pad_text += "; per block " + (", ".join(f"{k} +{v:g}" for k, v in per_block.items()) or "none")
         cells = [r["mesh"], str(m.num_devices), r["arch"], r["variant"], r["label"],
                  f"{r['tokens']} -> {r['padded_tokens']}", str(r["padded_tokens"] // r["sp"]),
                  f"{tot.get('large', '?'):g}+{tot.get('small', '?'):g}" if tot else "?",
                  "ok" if r["bill_ok"] else "DIFFERS", "ok" if r["tile_aligned"] else "NOT ALIGNED", pad_text,
                  f"{r['compile_seconds'] + (r.get('base_compile_seconds') or 0.0):.1f}", f"{r['rss_mb'] / 1e3:.1f}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plan_table(plans: list[dict]) -> str:
+    """The recommendation per mesh, and where tt-metal's configuration (SP on the long axis, TP 4,
+    no FSDP, no CFG split) ranks among the compiled plans."""
+    head = ["mesh", "arch", "recommended", "s/forward", "GB/chip", "tt-metal's config: rank, s/forward",
+            "compiled (ok)", "plan s"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for pl in plans:
+        rec = pl["recommended"]
+        sp = mesh_from_preset(pl["mesh"]).sp
+        metal = next((c for c in pl["ranked"] if c["name"].endswith(f"sp{sp}[cols] tp4[rows] replicated-D mask")), None)
+        cells = [pl["mesh"], pl["arch"], rec["name"] if rec else "none: " + pl.get("error", "")[:80],
+                 f"{rec['estimated_seconds_per_forward']:.2f}" if rec else "-",
+                 f"{rec['memory_per_chip_gb']:.1f}" if rec else "-",
+                 f"{metal['rank']}, {metal['estimated_seconds_per_forward']:.2f}" if metal and
+                 metal["estimated_seconds_per_forward"] else "-",
+                 f"{pl['counts'].get('compiled', 0)} ({pl['counts'].get('compiled_ok', 0)})", f"{pl['wall_seconds']:.0f}"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -109,31 +140,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--archs", default="blackhole,wormhole_b0")
     p.add_argument("--blocks", type=int, default=2, help="depth of the deep graph (the shallow one is 1 block)")
     p.add_argument("--no-plan", action="store_true", help="compile only")
+    p.add_argument("--skip-compile", action="store_true", help="reuse the compiles in --out, run the plans again")
     p.add_argument("--out", default=str(ROOT / "results" / "galaxies.json"))
-    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per compile batch")
+    p.add_argument("--table", action="store_true", help="print the tables of an existing --out file and stop")
     args = p.parse_args(argv)
+    if args.table:
+        data = json.loads(Path(args.out).read_text())
+        print(compile_table(data["compiles"]))
+        print(plan_table(data["plans"]))
+        return 0
     meshes, archs = args.meshes.split(","), args.archs.split(",")
 
-    t0 = time.perf_counter()
-    runs = compile_runs(meshes, archs, args.blocks, args.timeout)
-    t_compile = time.perf_counter() - t0
-    print(compile_table(runs))
-    print(f"\n{len(runs)} configurations compiled in {t_compile:.0f} s (torchax lowering)")
-    plans = [] if args.no_plan else plan_runs(meshes, archs, args.timeout)
-    for pl in plans:
-        rec = pl["recommended"]
-        print(f"plan {pl['mesh']} {pl['arch']} 720p: {rec['name'] if rec else 'none'} "
-              f"({rec['estimated_seconds_per_forward'] if rec else '-'} s/forward, "
-              f"{rec['memory_per_chip_gb'] if rec else '-'} GB/chip) in {pl['wall_seconds']} s")
     out = {
         "what": "tt-mlir compile-only (torchax lowering, abstract weights, mask padding); per-block bill from the "
                 "1- and N-block graphs; planner runs both stages",
         "plugin": f"{sysdesc.PLUGIN_DIST}=={sysdesc.installed_plugin_version()}",
         "host": f"{platform.machine()}, {platform.python_version()}",
-        "compile_wall_seconds": round(t_compile, 1),
-        "compiles": runs, "plans": plans,
     }
-    path = atomic_write(args.out, json.dumps(out, indent=1))
+    if args.skip_compile:  # keep the compiles of an earlier run, plan again
+        old = json.loads(Path(args.out).read_text())
+        out.update(compile_wall_seconds=old["compile_wall_seconds"], compiles=old["compiles"])
+    else:
+        t0 = time.perf_counter()
+        out["compiles"] = compile_runs(meshes, archs, args.blocks, args.timeout)
+        out["compile_wall_seconds"] = round(time.perf_counter() - t0, 1)
+        atomic_write(args.out, json.dumps({**out, "plans": []}, indent=1))  # kept even if a plan fails
+    runs = out["compiles"]
+    print(compile_table(runs))
+    print(f"\n{len(runs)} configurations compiled in {out['compile_wall_seconds']:.0f} s (torchax lowering)")
+    plans = [] if args.no_plan else plan_runs(meshes, archs, args.timeout)
+    print(plan_table(plans))
+    path = atomic_write(args.out, json.dumps({**out, "plans": plans}, indent=1))
     print(f"written to {path}")
     ok = all(r["ok"] and r["bill_ok"] and r["tile_aligned"] for r in runs)
     return 0 if ok and all(pl["recommended"] for pl in plans) else 1

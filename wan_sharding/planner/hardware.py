@@ -297,19 +297,17 @@ def _step_on_axis(n: int, axis: AxisLinks, fabric: Fabric) -> tuple[float, float
     the slowest directed link's load over its bandwidth, and the slowest route's summed hop latency.
     Hops that cross a Galaxy boundary use the inter-Galaxy links (:class:`AxisLinks`)."""
     loads, routes = _step_routes(n, axis.wrap)
-    seg = axis.segment if axis.segment and axis.segment < n else 0
+    per_byte = max(load / _hop(axis, fabric, h)[0] for h, load in loads.items())
+    latency = max(sum(_hop(axis, fabric, h)[1] for h in r) for r in routes)
+    return per_byte, latency
 
-    def cross(h: tuple[int, int]) -> bool:
-        return crosses_galaxy(h[0], h[1], seg)
 
-    def capacity(h: tuple[int, int]) -> float:
-        if cross(h):
-            return axis.cross_links * axis.cross_gbps * 1e9
-        return axis.links * fabric.link_gbps * 1e9
-
-    per_byte = max(load / capacity(h) for h, load in loads.items())
-    latency = max(sum((axis.cross_hop_us if cross(h) else fabric.hop_latency_us) for h in r) for r in routes)
-    return per_byte, latency * 1e-6
+def _hop(axis: AxisLinks, fabric: Fabric, hop: tuple[int, int]) -> tuple[float, float]:
+    """``(bytes per second, latency seconds)`` of one directed hop between neighbouring positions:
+    the inter-Galaxy cabling where the hop crosses a Galaxy boundary, else the on-board links."""
+    if crosses_galaxy(hop[0], hop[1], axis.segment):
+        return axis.cross_links * axis.cross_gbps * 1e9, axis.cross_hop_us * 1e-6
+    return axis.links * fabric.link_gbps * 1e9, fabric.hop_latency_us * 1e-6
 
 
 @dataclass(frozen=True)
@@ -374,19 +372,11 @@ def pair_exchange_seconds(nbytes: float, axis: AxisLinks, n: int, fabric: Fabric
     longest = 0.0
     for i in range(n):
         hops = _route(i, (i + half) % n, n, axis.wrap)
-        lat = 0.0
         for h in hops:
             loads[h] = loads.get(h, 0.0) + nbytes
-            lat += axis.cross_hop_us if crosses_galaxy(h[0], h[1], axis.segment) else fabric.hop_latency_us
-        longest = max(longest, lat)
-
-    def capacity(h: tuple[int, int]) -> float:
-        if crosses_galaxy(h[0], h[1], axis.segment):
-            return axis.cross_links * axis.cross_gbps * 1e9
-        return axis.links * fabric.link_gbps * 1e9
-
-    bw = max((load / capacity(h) for h, load in loads.items()), default=0.0)
-    return bw + longest * 1e-6 + fabric.op_overhead_us * 1e-6
+        longest = max(longest, sum(_hop(axis, fabric, h)[1] for h in hops))
+    bw = max((load / _hop(axis, fabric, h)[0] for h, load in loads.items()), default=0.0)
+    return bw + longest + fabric.op_overhead_us * 1e-6
 
 
 def chunk_for(kind: str, operand_bytes: float, result_bytes: float, n: int) -> float:
