@@ -116,18 +116,21 @@ def compile_table(runs: list[dict]) -> str:
 
 def plan_table(plans: list[dict]) -> str:
     """The recommendation per mesh, and where tt-metal's configuration (SP on the long axis, TP 4,
-    no FSDP, no CFG split) ranks among the compiled plans."""
+    no CFG split; FSDP off, or on where the weights need it, as tt-metal does on Wormhole) ranks."""
     head = ["mesh", "arch", "recommended", "s/forward", "GB/chip", "tt-metal's config: rank, s/forward",
             "compiled (ok)", "plan s"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for pl in plans:
         rec = pl["recommended"]
         sp = mesh_from_preset(pl["mesh"]).sp
-        metal = next((c for c in pl["ranked"] if c["name"].endswith(f"sp{sp}[cols] tp4[rows] replicated-D mask")), None)
+        metal = next((c for suffix in (f"sp{sp}[cols] tp4[rows] replicated-D mask",
+                                       f"sp{sp}[cols] tp4[rows] fsdp replicated-D mask")
+                      for c in pl["ranked"] if c["name"].endswith(suffix)), None)
         cells = [pl["mesh"], pl["arch"], rec["name"] if rec else "none: " + pl.get("error", "")[:80],
                  f"{rec['estimated_seconds_per_forward']:.2f}" if rec else "-",
                  f"{rec['memory_per_chip_gb']:.1f}" if rec else "-",
-                 f"{metal['rank']}, {metal['estimated_seconds_per_forward']:.2f}" if metal and
+                 f"{metal['rank']}, {metal['estimated_seconds_per_forward']:.2f}"
+                 + (" (fsdp)" if "fsdp" in metal["name"] else "") if metal and
                  metal["estimated_seconds_per_forward"] else "-",
                  f"{pl['counts'].get('compiled', 0)} ({pl['counts'].get('compiled_ok', 0)})", f"{pl['wall_seconds']:.0f}"]
         rows.append("| " + " | ".join(cells) + " |")
