@@ -40,6 +40,16 @@ PRESET_TABLE: Mapping[str, tuple[tuple[int, int], int, int, str]] = {
     # sp_axis=1) and TP on the 4-long one. The same roles on the same links as "8x4".
     "4x8-tt-metal": ((4, 8), 1, 0, "Galaxy (tt-metal layout)"),
     "8x4": ((8, 4), 0, 1, "Galaxy"),  # tt-xla's layout: SP 8 / TP 4
+    # Several Galaxies cabled along the 8-long axis (tt-metal's 16x4 dual and 32x4 quad Galaxy
+    # descriptors; wan_sharding/systems.py): SP over every Galaxy, TP 4 inside each one.
+    "16x4": ((16, 4), 0, 1, "2 Galaxies (SP 16 / TP 4)"),
+    "32x4": ((32, 4), 0, 1, "4 Galaxies (SP 32 / TP 4)"),
+    # Two Galaxies in tt-metal's view (SP 16 on the long axis, TP 4): what tt-mlir compiles for 64
+    # chips, where it rejects 16x4 (see wan_sharding/systems.py, TT_MLIR_REJECTED).
+    "4x16-tt-metal": ((4, 16), 1, 0, "2 Galaxies (tt-metal layout)"),
+    # The quad Galaxy as tt-metal's Wan 2.2 runs it: a 4x32 view, SP 32 on the long axis (its
+    # sp_axis=1), TP 4 on the short one. The same roles on the same links as "32x4".
+    "4x32-tt-metal": ((4, 32), 1, 0, "4 Galaxies (tt-metal layout)"),
 }
 # name -> (sp, tp) sizes, for listings and older callers.
 PRESETS: Mapping[str, tuple[int, int]] = {

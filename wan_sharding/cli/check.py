@@ -74,10 +74,12 @@ def _specs(args: argparse.Namespace) -> int:
 
 
 def _meshes(args: argparse.Namespace) -> int:
+    w_name, w_machine = max(map(len, PRESET_TABLE)), max(map(len, PRESET_MACHINES.values()))
     for name in PRESET_TABLE:
         m = mesh_from_preset(name)
-        print(f"{name:12}  {PRESET_MACHINES[name]:24} devices {m.num_devices:2}  shape {'x'.join(map(str, m.shape)):4} "
-              f"sp={m.sp} tp={m.tp}  tokens padded to a multiple of {m.seq_multiple}")
+        print(f"{name:{w_name}}  {PRESET_MACHINES[name]:{w_machine}}  devices {m.num_devices:3}  "
+              f"shape {'x'.join(map(str, m.shape)):5} sp={m.sp:<2} tp={m.tp}  "
+              f"tokens padded to a multiple of {m.seq_multiple}")
     return 0
 
 

@@ -39,8 +39,11 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     data = path.read_bytes()
     desc = sysdesc.read_system_descriptor(data)
+    crossing = sysdesc.inter_galaxy_channels(desc, tuple(mesh.shape))
+    between = f", {crossing} of them between Galaxies" if crossing else ""
     print(f"wrote {path}: {desc['num_chips']} x {args.arch} chips on a {mesh.name} grid, "
-          f"{len(desc['channels'])} ethernet links ({args.topology}), schema hash {desc['schema_hash'][:12]}...")
+          f"{len(desc['channels'])} ethernet links ({args.topology}{between}), "
+          f"schema hash {desc['schema_hash'][:12]}...")
     version = sysdesc.installed_plugin_version()
     if version is None:
         print(f"note: {sysdesc.PLUGIN_DIST} is not installed here; the schema hash was not checked")
@@ -96,7 +99,8 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--arch", choices=archs, default="wormhole_b0")
     p.add_argument("--mesh", default="8x4", help=f"mesh preset: {', '.join(PRESETS)} (default 8x4)")
     p.add_argument("--topology", choices=sysdesc.TOPOLOGIES, default="none",
-                   help="ethernet links to list (default none: what compile-only needs)")
+                   help="ethernet links to list (default none: what compile-only needs; machine: a Galaxy-based "
+                        "grid as cabled, fewer links between Galaxies)")
     p.add_argument("-o", "--output", required=True, help="file to write (.ttsys)")
     p.set_defaults(func=_cmd_sysdesc)
 

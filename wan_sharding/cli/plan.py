@@ -50,7 +50,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         report = plan_sharding(args.mesh, args.arch, args.variant, args.resolution,
                                latent_for(None, args.latent) if args.latent else None, top=args.top,
                                compile=not args.no_compile, attention=args.attention, topology=args.topology,
-                               work_dir=args.out, timeout=args.timeout, keep=keep, progress=progress)
+                               work_dir=args.out, timeout=args.timeout, keep=keep, cfg_split=not args.no_cfg_split,
+                               progress=progress)
     except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
@@ -68,7 +69,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(format_report(report, data))
         if data.get("written"):
-            print(f"wrote {data['written']}: shard_dit_specs(dit, ShardingPlan.load({str(args.write)!r}))")
+            print(f"wrote {data['written']}: shard_dit_specs(dit, ShardingPlan.load({str(args.write)!r}))"
+                  + (" on each half of the mesh (CFG split)" if report.recommended.cfg_axis else ""))
     return plan_exit_code(report)
 
 
@@ -94,6 +96,8 @@ def add_subcommands(sub: Any) -> None:
                    help="only plans with this padding mode (SP 1 plans, which need none, stay)")
     p.add_argument("--fsdp", choices=["on", "off"], default=None, help="only plans with (on) or without (off) FSDP")
     p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
+    p.add_argument("--no-cfg-split", action="store_true",
+                   help="leave out the CFG splits (cond and uncond at once on the two halves of an axis)")
     p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per compile batch")
     p.add_argument("--out", default=None, help="folder for the compiled IRs (default: a new temp folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -18,6 +18,7 @@ from ..mesh import MeshError, MeshSpec, mesh_from_preset
 from ..models import FULL_CONFIGS, RESOLUTIONS, LatentShape, config_for
 from ..options import DEFAULT_PADDING, DTYPES, PADDING_NAMES, dtype_name
 from ..plan import ShardingPlan
+from ..systems import tt_mlir_rejects
 
 # dtypes of the timestep input, as ``jax.numpy`` names them.
 TIMESTEP_DTYPES = ("float32", "bfloat16")
@@ -124,6 +125,9 @@ class CompileRequest:
                 mesh_from_preset(self.mesh)
             except MeshError as e:
                 raise CompileError(str(e)) from None
+        rejected = tt_mlir_rejects(self.mesh_spec().shape)
+        if rejected:
+            raise CompileError(rejected)
         if len(self.latent) != 3 or any(int(v) < 1 for v in self.latent):
             raise CompileError(f"latent must be (frames, height, width) with positive sizes, got {self.latent}")
         patch = FULL_CONFIGS[self.variant]["patch_size"]

@@ -23,6 +23,7 @@ import flatbuffers
 from flatbuffers import encode, number_types as N
 from flatbuffers.table import Table
 
+from .. import systems
 from ..workers import atomic_write
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "read_system_descriptor",
     "check_plugin_schema",
     "check_chip_count",
+    "inter_galaxy_channels",
     "default_grid",
     "expected_schema_hash",
     "installed_plugin_version",
@@ -45,7 +47,7 @@ __all__ = [
 
 PLUGIN_DIST = "jax-tt-plugin"
 FILE_IDENTIFIER = b"TTSY"
-TOPOLOGIES = ("none", "line", "ring", "torus")
+TOPOLOGIES = ("none", "line", "ring", "torus", "machine")
 
 _CHIPS_JSON = Path(__file__).with_name("chips.json")
 
@@ -106,7 +108,7 @@ _ETH_CORE_BY_DIR: dict[str, dict[str, tuple[int, int]]] = {
 
 # Physical grid (rows, cols) for the usual machine sizes (n150/n300, QuietBox,
 # T3K/LoudBox, Galaxy 8x4 as tt-xla lays it out).
-_DEFAULT_GRIDS = {1: (1, 1), 2: (1, 2), 4: (1, 4), 8: (2, 4), 32: (8, 4)}
+_DEFAULT_GRIDS = {1: (1, 1), 2: (1, 2), 4: (1, 4), 8: (2, 4), 32: (8, 4), 64: (16, 4), 128: (32, 4)}
 
 
 class SystemDescriptorError(RuntimeError):
@@ -234,25 +236,47 @@ def _channels(
     ring:  line, plus a wrap-around link closing every row (the x axis, along which
            device ids are consecutive) into a ring.
     torus: line, plus wrap-around links on both axes.
+    machine: the cabling of a Galaxy-based grid (:mod:`wan_sharding.systems`): a torus with the
+           Galaxy's links per on-board neighbour pair and fewer links on every hop that crosses
+           from one Galaxy to the next (the wrap-around of a multi-Galaxy axis is such a hop).
     A wrap link is only added on an axis longer than 2 (on length 2 it would just
-    duplicate the neighbour link).
+    duplicate the neighbour link). Link k of a direction uses Ethernet channel
+    ``direction + 4 k`` (all distinct on one chip).
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; known: {', '.join(TOPOLOGIES)}")
     if topology == "none":
         return []
     rows, cols = grid
+    links, cross = 1, 1
+    seg_y = seg_x = 0
+    if topology == "machine":
+        counts = systems.galaxy_links(arch, grid)
+        if counts is None:
+            raise ValueError(f"topology 'machine' is known for Galaxy grids (8x4, 4x8 and the multi-Galaxy "
+                             f"{', '.join(f'{r}x{c}' for r, c in systems.MULTI_GALAXY)}), not {rows}x{cols}; "
+                             "choose line, ring or torus")
+        links, cross = counts
+        seg_y, seg_x = systems.segment(grid, 0), systems.segment(grid, 1)
     eth = _ETH_CORE_BY_DIR[arch]
     dev = lambda r, c: r * cols + c  # noqa: E731  (row-major device id)
-    wrap_x = topology in ("ring", "torus") and cols > 2
-    wrap_y = topology == "torus" and rows > 2
+    core = lambda d, k: (eth[d][0] + 4 * k, eth[d][1])  # noqa: E731
+    wrap_x = topology in ("ring", "torus", "machine") and cols > 2
+    wrap_y = topology in ("torus", "machine") and rows > 2
     out = []
+
+    def add(a: int, b: int, out_dir: str, in_dir: str, crossing: bool) -> None:
+        for k in range(cross if crossing else links):
+            out.append((a, core(out_dir, k), b, core(in_dir, k)))
+
     for r in range(rows):
         for c in range(cols):
             if c + 1 < cols or wrap_x:  # east neighbour
-                out.append((dev(r, c), eth["east"], dev(r, (c + 1) % cols), eth["west"]))
+                n = (c + 1) % cols
+                add(dev(r, c), dev(r, n), "east", "west", systems.crosses_galaxy(c, n, seg_x))
             if r + 1 < rows or wrap_y:  # south neighbour
-                out.append((dev(r, c), eth["south"], dev((r + 1) % rows, c), eth["north"]))
+                n = (r + 1) % rows
+                add(dev(r, c), dev(n, c), "south", "north", systems.crosses_galaxy(r, n, seg_y))
     # Drop self-links (a 1-wide axis) just in case of a degenerate grid.
     return [ch for ch in out if ch[0] != ch[2]]
 
@@ -332,7 +356,8 @@ def build_system_descriptor(
         grid: physical (rows, cols) layout; defaults to :func:`default_grid`.
             Chip coords are row-major on this grid.
         topology: ethernet links to list: ``"none"`` (empty list; what is known to
-            compile), ``"line"``, ``"ring"`` or ``"torus"`` (see :func:`_channels`).
+            compile), ``"line"``, ``"ring"``, ``"torus"`` or ``"machine"`` (a Galaxy-based
+            grid as cabled, inter-Galaxy hops with fewer links; see :func:`_channels`).
             Ethernet core coordinates in the links are nominal.
         schema_hash: override the schema hash (default: the installed plugin's, or
             the newest one carried if the plugin is absent or unknown).
@@ -591,6 +616,18 @@ def check_plugin_schema(data: bytes, plugin_version: str | None = None) -> str:
             "wan_sharding.compile.sysdesc.write_system_descriptor under this plugin version."
         )
     return got
+
+
+def inter_galaxy_channels(desc: dict[str, Any], grid: tuple[int, int]) -> int:
+    """How many of a read descriptor's links join two different Galaxies of ``grid`` (0 for a
+    grid that is not several Galaxies)."""
+    split = systems.galaxies(grid)
+    if split is None:
+        return 0
+    per = (grid[0] // split[0], grid[1] // split[1])
+    which = lambda yx: (yx[0] // per[0], yx[1] // per[1])  # noqa: E731  (the Galaxy a chip is on)
+    coords = desc["coords"]
+    return sum(1 for d0, _, d1, _ in desc["channels"] if which(coords[d0]) != which(coords[d1]))
 
 
 def check_chip_count(data: bytes, mesh_shape: tuple[int, ...] | int) -> int:

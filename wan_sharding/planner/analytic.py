@@ -165,3 +165,16 @@ def estimate(work: Workload, plan: ShardingPlan, chip: Chip, fabric: Fabric) -> 
     """The stage-1 estimate of ``plan``: one block's cost, scaled to the model's depth, and its bill."""
     per_block = block_cost(work, plan, chip, fabric)
     return Estimate(per_block, work.layers * per_block.total, block_bill(work, plan))
+
+
+def estimate_cfg(work: Workload, plan: ShardingPlan, chip: Chip, half_fabric: Fabric, parts: int,
+                 exchange_key: str, exchange_seconds: float) -> Estimate:
+    """The stage-1 estimate of a CFG split, per forward: ``plan`` runs on a half mesh
+    (``half_fabric``) with ``parts`` forwards at once, so each forward costs 1/``parts`` of the
+    half mesh's block, plus its share of exchanging the noise predictions between the halves
+    (``exchange_seconds`` per step, spread over the blocks so that the total stays
+    ``layers x per block``). The bill is the half mesh's own."""
+    half = estimate(work, plan, chip, half_fabric)
+    per_block = half.per_block.scaled(1.0 / parts)
+    per_block.comm[exchange_key] = per_block.comm.get(exchange_key, 0.0) + exchange_seconds / parts / work.layers
+    return Estimate(per_block, work.layers * per_block.total, half.bill)

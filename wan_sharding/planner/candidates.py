@@ -12,6 +12,13 @@ activation layout between Megatron pairs, and the padding mode. Filters, each le
 - ``shard_dit_specs`` must accept the plan on the real (meta-device) model;
 - the per-chip memory estimate, both A14B experts included, must fit the chip's DRAM.
 
+CFG split: classifier-free guidance runs two forwards per denoising step (cond and uncond). Besides
+plans that run both on the whole mesh one after the other, every mesh axis of even size can be cut
+in two halves that run one forward each at the same time (the batch of two sharded over that cut).
+Such a candidate is a plan on the half mesh plus the cut axis (``Candidate.cfg_axis``); each half
+holds both experts' weights, so it needs twice the memory per chip of the same plan on the whole
+mesh.
+
 Plans that differ only in the order of the axes inside a role are kept once: tt-mlir lowers a
 role spanning two axes to one collective per axis in mesh order whatever the plan's order (seen
 for TP 8 over both axes of 2x4: the same TTNN collectives for either order), so they cost the same.
@@ -38,6 +45,7 @@ class Candidate:
     """One plan and what the planner learnt about it. ``reason`` is why it is out (empty: legal)."""
 
     plan: ShardingPlan
+    cfg_axis: str | None = None  # CFG split: cond / uncond on the two halves of this physical axis
     reason: str = ""
     duplicate_of: str | None = None
     idle_axes: tuple[str, ...] = ()
@@ -48,7 +56,12 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return self.plan.name
+        return self.plan.name + (f" + cfg2[{self.cfg_axis}]" if self.cfg_axis else "")
+
+    @property
+    def cfg_parts(self) -> int:
+        """Forwards of one denoising step that run at once: 2 for a CFG split, else 1."""
+        return 2 if self.cfg_axis else 1
 
     @property
     def legal(self) -> bool:
@@ -102,10 +115,26 @@ def enumerate_plans(work: Workload, mesh_shape: Sequence[int],
     return plans
 
 
-def signature(plan: ShardingPlan) -> tuple:
+def cfg_halves(work: Workload, mesh_shape: Sequence[int],
+               names: Sequence[str] = PHYSICAL_AXIS_NAMES) -> list[tuple[str, ShardingPlan]]:
+    """CFG-split candidates: for every axis of even size, the plans of the half mesh cut along it,
+    each with the name of the cut axis."""
+    shape = tuple(int(s) for s in mesh_shape)
+    out = []
+    for i, size in enumerate(shape):
+        if size < 2 or size % 2:
+            continue
+        half = list(shape)
+        half[i] //= 2
+        out += [(names[i], p) for p in enumerate_plans(work, half, names)]
+    return out
+
+
+def signature(plan: ShardingPlan, cfg_axis: str | None = None) -> tuple:
     """What the compiled program depends on: axis sets per role (their order inside a role does
-    not change tt-mlir's collectives), FSDP, layout, padding."""
-    return (plan.mesh_shape, frozenset(plan.sp_axes), frozenset(plan.tp_axes), plan.fsdp, plan.layout, plan.padding)
+    not change tt-mlir's collectives), FSDP, layout, padding; and the CFG cut, if any."""
+    return (plan.mesh_shape, frozenset(plan.sp_axes), frozenset(plan.tp_axes), plan.fsdp, plan.layout, plan.padding,
+            cfg_axis)
 
 
 def structural_reason(work: Workload, plan: ShardingPlan) -> str:
@@ -128,28 +157,34 @@ def structural_reason(work: Workload, plan: ShardingPlan) -> str:
 def build_candidates(work: Workload, mesh_shape: Sequence[int], dram_bytes: float,
                      weight_bytes: Callable[[ShardingPlan], float], attention: str = "fused",
                      names: Sequence[str] = PHYSICAL_AXIS_NAMES,
-                     keep: Callable[[ShardingPlan], bool] | None = None) -> list[Candidate]:
+                     keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = True,
+                     mesh_rejected: Callable[[tuple[int, ...]], str] | None = None) -> list[Candidate]:
     """All candidates for ``mesh_shape`` with legality decided.
 
     ``dram_bytes`` is the per-chip budget. ``weight_bytes(plan)`` returns one expert's weight bytes
     per chip under ``plan`` (the caller runs ``shard_dit_specs`` on a meta model); a ``ValueError``
     from it makes the plan illegal. ``keep``: restrict the search to the plans it accepts.
+    ``cfg_split``: add the CFG-split candidates (see the module docstring). ``mesh_rejected(shape)``:
+    why the compiler will not take a (half) mesh of that shape, empty if it will.
     """
     out: list[Candidate] = []
     seen: dict[tuple, str] = {}
-    for plan in enumerate_plans(work, mesh_shape, names):
+    whole = [(None, p) for p in enumerate_plans(work, mesh_shape, names)]
+    for cfg_axis, plan in whole + (cfg_halves(work, mesh_shape, names) if cfg_split else []):
         if keep is not None and not keep(plan):
             continue
-        cand = Candidate(plan)
+        cand = Candidate(plan, cfg_axis)
         used = set(plan.sp_axes) | set(plan.tp_axes)
         cand.idle_axes = tuple(a for a, s in zip(plan.axis_names, plan.mesh_shape) if s > 1 and a not in used)
-        sig = signature(plan)
+        sig = signature(plan, cfg_axis)
         if sig in seen:
             cand.duplicate_of = seen[sig]
             out.append(cand)
             continue
-        seen[sig] = plan.name
+        seen[sig] = cand.name
         cand.reason = structural_reason(work, plan)
+        if not cand.reason and mesh_rejected is not None:
+            cand.reason = mesh_rejected(plan.mesh_shape)
         if not cand.reason:
             try:
                 wb = weight_bytes(plan)

@@ -15,7 +15,7 @@ dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -83,11 +83,13 @@ def requests_for(work: Workload, plan: ShardingPlan, out_dir: Path | None = None
     return reqs
 
 
-def evaluate(work: Workload, plans: Sequence[ShardingPlan], chip: Chip, fabric: Fabric, *, work_dir: Path,
+def evaluate(work: Workload, plans: Sequence[ShardingPlan], chip: Chip, fabric: Fabric | Sequence[Fabric], *,
+             work_dir: Path,
              attention: str = "fused", timeout: float = 900.0,
              progress: Callable[[str], None] | None = None) -> list[CompiledEstimate]:
     """Compile every plan at 1 and 2 blocks and cost it; one :class:`CompiledEstimate` per plan.
 
+    ``fabric``: one for every plan, or one per plan (a CFG split's half mesh has its own).
     One worker process compiles the whole batch (its ~20 s start-up is paid once). Two workers side
     by side were tried and dropped: the plugin's first-use unpacking of its runtime files is not
     safe against a second process doing the same ("failed to extract embedded tt-metal runtime
@@ -101,11 +103,26 @@ def evaluate(work: Workload, plans: Sequence[ShardingPlan], chip: Chip, fabric: 
     if progress:
         progress(f"stage 2: compiling {len(plans)} plans x {len(DEPTHS)} depths with tt-mlir ({chip.arch})")
     results = compile_many(requests, chip.arch, timeout=timeout, work_dir=work_dir)
+    fabrics = [fabric] * len(plans) if isinstance(fabric, Fabric) else list(fabric)
     out = []
     for i, plan in enumerate(plans):
         shallow, deep = results[len(DEPTHS) * i: len(DEPTHS) * (i + 1)]
-        out.append(estimate_from_results(work, plan, shallow, deep, chip, fabric, attention))
+        out.append(estimate_from_results(work, plan, shallow, deep, chip, fabrics[i], attention))
     return out
+
+
+def amortise_cfg(est: CompiledEstimate, layers: int, parts: int, exchange_key: str,
+                 exchange_seconds: float) -> CompiledEstimate:
+    """A CFG split's compiled estimate per forward: the half mesh runs ``parts`` forwards at once, so
+    each costs 1/``parts`` of the half mesh's program, plus its share of exchanging the noise
+    predictions between the halves (``exchange_seconds`` per step, charged once per forward)."""
+    if not est.ok or parts <= 1:
+        return est
+    per_block = est.per_block.scaled(1.0 / parts)
+    per_forward = est.per_forward.scaled(1.0 / parts)
+    per_forward.comm[exchange_key] = per_forward.comm.get(exchange_key, 0.0) + exchange_seconds / parts
+    return replace(est, per_block=per_block, per_forward=per_forward,
+                   seconds_per_forward=per_forward.total + layers * per_block.total)
 
 
 def estimate_from_results(work: Workload, plan: ShardingPlan, shallow: CompileResult, deep: CompileResult,

@@ -25,10 +25,12 @@ shared-link contention enters; on an axis-aligned group on a mesh axis they shar
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from ..systems import CABLING, MULTI_GALAXY, crosses_galaxy, galaxies, segment as galaxy_segment
 
 _CHIPS_JSON = Path(__file__).resolve().parents[1] / "compile" / "chips.json"
 
@@ -104,10 +106,19 @@ def chip(arch: str) -> Chip:
 @dataclass(frozen=True)
 class AxisLinks:
     """The physical links along one mesh axis: ``links`` parallel Ethernet links between each pair
-    of neighbours, and whether the axis closes into a ring (``wrap``) or is an open line."""
+    of neighbours, and whether the axis closes into a ring (``wrap``) or is an open line.
+
+    An axis that runs across several Galaxies (``segment`` > 0: chips of one Galaxy along it) has
+    inter-Galaxy hops every ``segment`` chips (and its wrap-around hop), each with ``cross_links``
+    links of ``cross_gbps`` and ``cross_hop_us`` latency instead (:mod:`wan_sharding.systems`).
+    """
 
     links: int
     wrap: bool
+    segment: int = 0
+    cross_links: int = 0
+    cross_gbps: float = 0.0
+    cross_hop_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,8 +138,15 @@ class Fabric:
         return self.axes[index]
 
     def describe(self) -> str:
-        parts = [f"{n} chips x{a.links} links {'ring' if a.wrap and n > 2 else 'line'}"
-                 for n, a in zip(self.grid, self.axes) if n > 1]
+        parts = []
+        for n, a in zip(self.grid, self.axes):
+            if n <= 1:
+                continue
+            text = f"{n} chips x{a.links} links {'ring' if a.wrap and n > 2 else 'line'}"
+            if a.segment:
+                text += (f" (Galaxy every {a.segment}: x{a.cross_links} links of {a.cross_gbps:g} GB/s "
+                         "between Galaxies)")
+            parts.append(text)
         return f"{self.machine}: " + ", ".join(parts) + f"; {self.link_gbps:g} GB/s per link"
 
 
@@ -175,6 +193,25 @@ FABRICS: dict[tuple[str, tuple[int, int]], Fabric] = {
                                   (AxisLinks(2, True), AxisLinks(2, True)), _BH_GALAXY_LINK, _BH_HOP, _OVERHEAD,
                                   "200G chip-to-chip links, 2 per neighbour (assumed), torus"),
 }
+
+
+def _multi_galaxy(arch: str, grid: tuple[int, int]) -> Fabric:
+    """A fabric of several Galaxies cabled as one grid (``wan_sharding.systems``): each axis keeps the
+    Galaxy's own links, and an axis cut into Galaxies gets the inter-Galaxy cabling at each cut. Every
+    axis closes into a ring, as tt-metal's quad-Galaxy descriptors (32x4, torus XY) have it."""
+    cab = CABLING[arch]
+    axes = []
+    for i in range(2):
+        seg = galaxy_segment(grid, i)
+        axes.append(AxisLinks(cab.links, True, seg, cab.cross_links if seg else 0,
+                              cab.cross_gbps if seg else 0.0, cab.cross_hop_latency_us if seg else 0.0))
+    n = galaxies(grid)
+    label = "Wormhole" if arch == "wormhole_b0" else "Blackhole"
+    return Fabric(f"{n[0] * n[1]} {label} Galaxies ({grid[0]}x{grid[1]} torus)", arch, grid,  # type: ignore[index]
+                  (axes[0], axes[1]), cab.link_gbps, cab.hop_latency_us, _OVERHEAD, cab.source)
+
+
+FABRICS.update({(arch, grid): _multi_galaxy(arch, grid) for arch in CABLING for grid in MULTI_GALAXY})
 TOPOLOGIES = ("machine", "line", "ring")
 
 
@@ -200,7 +237,7 @@ def fabric_for(arch: str, grid: Sequence[int], topology: str = "machine") -> Fab
     if topology == "machine":
         return base
     wrap = topology == "ring"
-    axes = tuple(AxisLinks(max(a.links, 1), wrap) for a in base.axes)
+    axes = tuple(replace(a, links=max(a.links, 1), wrap=wrap) for a in base.axes)
     return Fabric(f"{base.machine}, forced {topology}", arch, grid, axes, base.link_gbps,  # type: ignore[arg-type]
                   base.hop_latency_us, base.op_overhead_us, base.source + f"; every axis forced to a {topology}")
 
@@ -229,24 +266,48 @@ def _route(a: int, b: int, n: int, wrap: bool) -> list[tuple[int, int]]:
 
 
 @lru_cache(maxsize=256)
-def ring_step(n: int, wrap: bool) -> tuple[float, int]:
-    """For a bidirectional ring algorithm over ``n`` devices on one axis: ``(load, hops)`` where
-    ``load`` is the most any directed link carries in one step, in units of the per-device chunk,
-    and ``hops`` the longest route one step's message takes.
-
-    Ring order is position order (what tt-mlir's ``cluster_axis`` collectives use).
-    """
-    if n < 2:
-        return 0.0, 0
+def _step_routes(n: int, wrap: bool) -> tuple[dict[tuple[int, int], float], tuple[tuple[tuple[int, int], ...], ...]]:
+    """One step of a bidirectional ring algorithm over ``n`` devices on one axis: the load of every
+    directed link (in units of the per-device chunk) and every message's route. Ring order is
+    position order (what tt-mlir's ``cluster_axis`` collectives use)."""
     loads: dict[tuple[int, int], float] = {}
-    longest = 0
+    routes = []
     for i in range(n):
         for peer in ((i + 1) % n, (i - 1) % n):  # half the chunk each way
             hops = _route(i, peer, n, wrap)
-            longest = max(longest, len(hops))
+            routes.append(tuple(hops))
             for h in hops:
                 loads[h] = loads.get(h, 0.0) + 0.5
-    return max(loads.values()), longest
+    return loads, tuple(routes)
+
+
+@lru_cache(maxsize=256)
+def ring_step(n: int, wrap: bool) -> tuple[float, int]:
+    """For a bidirectional ring algorithm over ``n`` devices on one axis: ``(load, hops)`` where
+    ``load`` is the most any directed link carries in one step, in units of the per-device chunk,
+    and ``hops`` the longest route one step's message takes."""
+    if n < 2:
+        return 0.0, 0
+    loads, routes = _step_routes(n, wrap)
+    return max(loads.values()), max(len(r) for r in routes)
+
+
+def _step_on_axis(n: int, axis: AxisLinks, fabric: Fabric) -> tuple[float, float]:
+    """``(seconds per chunk byte, latency seconds)`` of one ring step over ``n`` devices on ``axis``:
+    the slowest directed link's load over its bandwidth, and the slowest route's summed hop latency.
+    Hops that cross a Galaxy boundary use the inter-Galaxy links (:class:`AxisLinks`)."""
+    loads, routes = _step_routes(n, axis.wrap)
+    per_byte = max(load / _hop(axis, fabric, h)[0] for h, load in loads.items())
+    latency = max(sum(_hop(axis, fabric, h)[1] for h in r) for r in routes)
+    return per_byte, latency
+
+
+def _hop(axis: AxisLinks, fabric: Fabric, hop: tuple[int, int]) -> tuple[float, float]:
+    """``(bytes per second, latency seconds)`` of one directed hop between neighbouring positions:
+    the inter-Galaxy cabling where the hop crosses a Galaxy boundary, else the on-board links."""
+    if crosses_galaxy(hop[0], hop[1], axis.segment):
+        return axis.cross_links * axis.cross_gbps * 1e9, axis.cross_hop_us * 1e-6
+    return axis.links * fabric.link_gbps * 1e9, fabric.hop_latency_us * 1e-6
 
 
 @dataclass(frozen=True)
@@ -269,15 +330,53 @@ def collective_seconds(kind: str, chunk_bytes: float, n: int, axis: AxisLinks, f
         raise HardwareError(f"unknown collective {kind!r}; known: {KINDS}")
     if n <= 1:
         return CollectiveCost(0.0, 0.0, 0.0)
-    if axis.links < 1:
+    if axis.links < 1 or (axis.segment and axis.segment < n and axis.cross_links < 1):
         raise HardwareError(f"{fabric.machine}: the mesh axis with {n} devices has no links")
-    load, hops = ring_step(n, axis.wrap)
-    per_link = axis.links * fabric.link_gbps * 1e9
+    per_byte, step_latency = _step_on_axis(n, axis, fabric)
     passes = 2 if kind == "all_reduce" else 1
     steps = passes * (n - 1)
-    bw = steps * load * chunk_bytes / per_link
-    lat = steps * hops * fabric.hop_latency_us * 1e-6 + fabric.op_overhead_us * 1e-6
+    bw = steps * per_byte * chunk_bytes
+    lat = steps * step_latency + fabric.op_overhead_us * 1e-6
     return CollectiveCost(bw + lat, bw, lat)
+
+
+def sub_axis(axis: AxisLinks, n: int, parts: int) -> AxisLinks:
+    """The links of one of ``parts`` equal slices of an ``n``-long axis (each slice ``n // parts``
+    long): an open line (its wrap-around belonged to the whole axis), keeping the Galaxy cuts that
+    fall inside it. Used for a mesh split in halves for classifier-free guidance."""
+    if parts <= 1:
+        return axis
+    length = n // parts
+    seg = axis.segment if axis.segment and axis.segment < length else 0
+    return replace(axis, wrap=False, segment=seg, cross_links=axis.cross_links if seg else 0,
+                   cross_gbps=axis.cross_gbps if seg else 0.0, cross_hop_us=axis.cross_hop_us if seg else 0.0)
+
+
+def sub_fabric(fabric: Fabric, axis_index: int, parts: int) -> Fabric:
+    """The fabric of one of ``parts`` equal slices of ``fabric`` cut along ``axis_index``."""
+    grid = list(fabric.grid)
+    axes = list(fabric.axes)
+    axes[axis_index] = sub_axis(axes[axis_index], grid[axis_index], parts)
+    grid[axis_index] //= parts
+    return replace(fabric, machine=f"1/{parts} of {fabric.machine}", grid=(grid[0], grid[1]),
+                   axes=(axes[0], axes[1]))
+
+
+def pair_exchange_seconds(nbytes: float, axis: AxisLinks, n: int, fabric: Fabric) -> float:
+    """Seconds to swap ``nbytes`` between the devices at positions ``i`` and ``i + n/2`` of an
+    ``n``-long axis (the two halves of a CFG split), all pairs at once: every pair's message goes the
+    short way round, so each link carries the messages whose routes cross it; charged at the slowest
+    link, plus the route's hop latency and one collective start-up."""
+    half = n // 2
+    loads: dict[tuple[int, int], float] = {}
+    longest = 0.0
+    for i in range(n):
+        hops = _route(i, (i + half) % n, n, axis.wrap)
+        for h in hops:
+            loads[h] = loads.get(h, 0.0) + nbytes
+        longest = max(longest, sum(_hop(axis, fabric, h)[1] for h in hops))
+    bw = max((load / _hop(axis, fabric, h)[0] for h, load in loads.items()), default=0.0)
+    return bw + longest + fabric.op_overhead_us * 1e-6
 
 
 def chunk_for(kind: str, operand_bytes: float, result_bytes: float, n: int) -> float:

@@ -104,7 +104,9 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
             f"recommended: {rec['name']}",
             f"  SP {rec['sp']} on {'+'.join(rec['mesh_axes']['sp']) or '-'}, TP {rec['tp']} on "
             f"{'+'.join(rec['mesh_axes']['tp']) or '-'}, FSDP {'on' if rec['fsdp'] else 'off'}, "
-            f"{rec['layout']} D between Megatron pairs, padding {rec['padding']}",
+            f"{rec['layout']} D between Megatron pairs, padding {rec['padding']}"
+            + (f"; CFG split on {rec['cfg_split']['axis']}: cond and uncond at once, one per "
+               f"{'x'.join(map(str, rec['cfg_split']['half_mesh']))} half" if rec.get("cfg_split") else ""),
             f"  memory per chip {rec['memory_per_chip_gb']:.2f} GB of {data['chip']['dram_gb']:g} (weights "
             f"{mem['weights_gb']:.2f}, FSDP working set {mem['fsdp_gathered_gb']:.2f}, activations "
             f"{mem['activations_gb']:.2f}, gathered K/V {mem['kv_gathered_gb']:.2f})",

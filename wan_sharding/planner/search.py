@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..mesh import PHYSICAL_AXIS_NAMES, MeshError, parse_mesh_shape
+from ..systems import tt_mlir_rejects
 from ..plan import ShardingPlan
 from . import analytic, compiled
 from .analytic import Estimate  # noqa: F401  (stage-1 result; its home is analytic)
 from .candidates import Candidate, build_candidates
-from .hardware import Chip, Fabric, chip as chip_for, fabric_for
+from .hardware import Chip, Fabric, chip as chip_for, fabric_for, pair_exchange_seconds, sub_fabric
 from .ir_cost import ATTENTION_MODES
 from .workload import BF16, Workload
 
@@ -72,6 +73,10 @@ class PlanReport:
         est = self.estimated_seconds(c)
         out: dict[str, Any] = {
             "rank": rank, "name": c.name, "stage": self.stage(c), "plan": c.plan.to_dict(),
+            "cfg_split": None if not c.cfg_axis else {
+                "axis": c.cfg_axis, "parts": c.cfg_parts, "half_mesh": list(c.plan.mesh_shape),
+                "note": "cond and uncond forwards run at once, one per half; times are per forward "
+                        "(half a denoising step)"},
             "sp": m.sp, "tp": m.tp, "mesh_axes": {"names": list(c.plan.axis_names), "shape": list(c.plan.mesh_shape),
                                                   "sp": list(c.plan.sp_axes), "tp": list(c.plan.tp_axes)},
             "fsdp": c.plan.fsdp, "layout": c.plan.layout, "padding": c.plan.padding,
@@ -131,11 +136,32 @@ def weight_bytes_per_expert(variant: str, plan: ShardingPlan) -> float:
     return float(shard_dit_specs(_meta_dit(variant), plan).bytes_per_device(BF16))
 
 
+def candidate_fabric(fabric: Fabric, c: Candidate) -> Fabric:
+    """The fabric ``c``'s plan runs on: the whole machine, or one half of it for a CFG split."""
+    if not c.cfg_axis:
+        return fabric
+    return sub_fabric(fabric, PHYSICAL_AXIS_NAMES.index(c.cfg_axis), c.cfg_parts)
+
+
+def cfg_exchange(work: Workload, fabric: Fabric, c: Candidate) -> tuple[str, float]:
+    """``(key, seconds)`` of one step's exchange between the halves of a CFG split: every device
+    swaps its 1/N share of the noise prediction with its partner in the other half (the device half
+    the cut axis away); the combined prediction is then gathered like any output."""
+    i = PHYSICAL_AXIS_NAMES.index(c.cfg_axis)
+    n = fabric.grid[i]
+    devices = c.plan.mesh_shape[0] * c.plan.mesh_shape[1]
+    return f"cfg_exchange@{c.cfg_axis}", pair_exchange_seconds(work.output_bytes() / devices, fabric.axes[i], n, fabric)
+
+
 def stage1(work: Workload, candidates: Sequence[Candidate], chip: Chip, fabric: Fabric) -> list[Candidate]:
     """Analytic estimate for every legal candidate; returns them fastest first."""
     legal = [c for c in candidates if c.legal]
     for c in legal:
-        c.analytic = analytic.estimate(work, c.plan, chip, fabric)
+        if c.cfg_axis:
+            key, secs = cfg_exchange(work, fabric, c)
+            c.analytic = analytic.estimate_cfg(work, c.plan, chip, candidate_fabric(fabric, c), c.cfg_parts, key, secs)
+        else:
+            c.analytic = analytic.estimate(work, c.plan, chip, fabric)
     return sorted(legal, key=lambda c: (c.analytic.seconds_per_forward, len(c.idle_axes), c.name))
 
 
@@ -143,7 +169,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                   resolution: str | None = "480p", latent: Sequence[int] | None = None, *, top: int = 6,
                   compile: bool = True, attention: str = "fused", topology: str = "machine",
                   work_dir: str | Path | None = None, timeout: float = 900.0, max_rounds: int = 3,
-                  keep: Callable[[ShardingPlan], bool] | None = None,
+                  keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = True,
                   progress: Callable[[str], None] | None = None) -> PlanReport:
     """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
 
@@ -161,6 +187,9 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         timeout: seconds for each compile batch.
         max_rounds: compile batches at most (a batch is topped up when plans fail to compile).
         keep: restrict the search to the plans this accepts (e.g. ``lambda p: p.padding == "mask"``).
+        cfg_split: also rank CFG splits (cond and uncond forwards at once on the two halves of an
+            axis; :mod:`~wan_sharding.planner.candidates`). Times are then per forward, i.e. half a
+            denoising step, for every plan.
         progress: called with a line of text at each step.
 
     Returns:
@@ -179,6 +208,8 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         shape = parse_mesh_shape(mesh)
     except MeshError as e:
         raise PlannerError(str(e)) from None
+    if compile and tt_mlir_rejects(shape):
+        raise PlannerError(tt_mlir_rejects(shape) + " (or plan it with --no-compile)")
     try:
         work = Workload.build(variant, resolution, latent)
         chip = chip_for(arch)
@@ -190,8 +221,9 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
     _meta_dit(work.variant)
     timings["model"] = time.perf_counter() - t0
     t1 = time.perf_counter()
+    rejected = (lambda s: f"tt-mlir rejects a {s[0]}x{s[1]} mesh" if tt_mlir_rejects(s) else "") if compile else None
     cands = build_candidates(work, shape, chip.usable_dram_bytes, lambda p: weight_bytes_per_expert(work.variant, p),
-                             attention, PHYSICAL_AXIS_NAMES, keep)
+                             attention, PHYSICAL_AXIS_NAMES, keep, cfg_split, rejected)
     ordered = stage1(work, cands, chip, fabric)
     timings["stage1"] = time.perf_counter() - t1
     say(f"stage 1: {len(cands)} candidates, {len(ordered)} legal, analytic best "
@@ -213,10 +245,12 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                 break
             batch, queue = queue[:want], queue[want:]
             rounds += 1
-            results = compiled.evaluate(work, [c.plan for c in batch], chip, fabric,
+            results = compiled.evaluate(work, [c.plan for c in batch], chip, [candidate_fabric(fabric, c) for c in batch],
                                         work_dir=root / f"round_{rounds}", attention=attention, timeout=timeout,
                                         progress=say)
             for c, r in zip(batch, results):
+                if c.cfg_axis:
+                    r = compiled.amortise_cfg(r, work.layers, c.cfg_parts, *cfg_exchange(work, fabric, c))
                 c.compiled = r
                 compiled_list.append(c)
                 say(f"  {c.name}: " + (f"{r.seconds_per_forward:.2f} s/forward" if r.ok

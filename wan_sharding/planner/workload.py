@@ -35,6 +35,7 @@ class Workload:
     prompt_tokens: int
     patch: tuple[int, int, int]
     experts: int
+    out_channels: int = 16
 
     @classmethod
     def build(cls, variant: str = "t2v-a14b", resolution: str | None = "480p",
@@ -56,7 +57,8 @@ class Workload:
             raise WorkloadError(f"latent {lat} must be three positive sizes divisible by the patch {cfg['patch_size']}")
         heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
         return cls(variant, lat, resolution, heads * head_dim, heads, head_dim,  # type: ignore[arg-type]
-                   cfg["ffn_dim"], cfg["num_layers"], PROMPT_TOKENS["full"], tuple(cfg["patch_size"]), EXPERTS[variant])
+                   cfg["ffn_dim"], cfg["num_layers"], PROMPT_TOKENS["full"], tuple(cfg["patch_size"]), EXPERTS[variant],
+                   cfg["out_channels"])
 
     @property
     def tokens(self) -> int:
@@ -69,6 +71,11 @@ class Workload:
         if padding == "none":
             return self.tokens
         return padded_length(self.tokens, sp * TILE)
+
+    def output_bytes(self) -> int:
+        """Bytes of one forward's output (the noise prediction, bf16): what classifier-free guidance
+        combines from the cond and uncond forwards."""
+        return self.tokens * self.patch[0] * self.patch[1] * self.patch[2] * self.out_channels * BF16
 
     def block_weight_params(self) -> int:
         """Parameters of the large matrices of one block (attn1, attn2: 4 D x D each; FFN)."""
