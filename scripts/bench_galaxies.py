@@ -71,7 +71,7 @@ def plan_runs(meshes: list[str], archs: list[str], timeout: float) -> list[dict]
         for mesh in meshes:
             t0 = time.perf_counter()
             try:
-                rep = plan_sharding(mesh, arch, "t2v-a14b", "720p", timeout=timeout)
+                rep = plan_sharding(mesh, arch, "t2v-a14b", "720p", timeout=timeout, cfg_split=True)
             except RuntimeError as e:  # e.g. the plugin failing to start in its worker: say so, go on
                 out.append({"mesh": mesh, "arch": arch, "resolution": "720p", "error": str(e)[:300],
                             "wall_seconds": round(time.perf_counter() - t0, 1), "counts": {}, "recommended": None,

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.with_plans:
         result["planner_runs"] = {}
-        for mesh, arch in (("8x4", "wormhole_b0"), ("2x4", "wormhole_b0"), ("2x4", "blackhole")):
+        for mesh, arch in (("8x4", "wormhole_b0"), ("8x4", "blackhole"), ("2x4", "wormhole_b0"), ("2x4", "blackhole")):
             t = time.perf_counter()
             # Whole-mesh plans, as the README's table has them (CFG splits: scripts/bench_galaxies.py).
             rep = plan_sharding(mesh, arch, "t2v-a14b", "480p", work_dir=work / f"plan_{mesh}_{arch}",

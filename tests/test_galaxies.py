@@ -170,7 +170,7 @@ def test_planner_legality_on_128_chips() -> None:
 
 
 def test_planner_on_128_chips_recommends_a_plan_that_fits_and_ranks_cfg_split() -> None:
-    report = plan_sharding("4x32-tt-metal", "blackhole", resolution="720p", compile=False)
+    report = plan_sharding("4x32-tt-metal", "blackhole", resolution="720p", compile=False, cfg_split=True)
     rec = report.recommended
     assert rec is not None and rec.memory.total <= report.chip.usable_dram_bytes and rec.tp <= 8
     data = report.to_json()

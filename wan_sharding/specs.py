@@ -79,10 +79,19 @@ def resolve_styles(dit: torch.nn.Module, plan: Mapping[str, str] = WAN_TP_PLAN) 
 FSDP_MIN_NUMEL = 1 << 20
 
 
-def _add_fsdp(spec: Spec, shape: torch.Size, mesh: MeshSpec) -> Spec:
+def fsdp_min_numel(dit: torch.nn.Module) -> int:
+    """The FSDP size floor for ``dit``: ``FSDP_MIN_NUMEL``, or a quarter of a D x D projection when
+    that is smaller. Every full-size Wan 2.2 DiT (D >= 3072) gets ``FSDP_MIN_NUMEL``; a tiny test
+    config with the same structure then shards the same weights (the projections), not none."""
+    cfg = dit.config
+    inner = cfg.num_attention_heads * cfg.attention_head_dim
+    return min(FSDP_MIN_NUMEL, inner * inner // 4)
+
+
+def _add_fsdp(spec: Spec, shape: torch.Size, mesh: MeshSpec, min_numel: int = FSDP_MIN_NUMEL) -> Spec:
     """Also split the first free dim that the SP axes divide (weights gathered before use)."""
     sp = mesh.sp_axis
-    if sp is None or mesh.sp == 1 or shape.numel() < FSDP_MIN_NUMEL:
+    if sp is None or mesh.sp == 1 or shape.numel() < min_numel:
         return spec
     for dim, axis in enumerate(spec):
         if axis is None and shape[dim] % mesh.sp == 0:
@@ -211,11 +220,12 @@ def shard_dit_specs(dit: torch.nn.Module, mesh: Any, plan: Mapping[str, str] = W
     mesh = as_mesh_spec(mesh)
     _check_heads(dit, mesh)
     styles = resolve_styles(dit, plan)
+    floor = fsdp_min_numel(dit) if fsdp else FSDP_MIN_NUMEL
     entries = []
     for name, param in dit.named_parameters():
         spec = _spec_for(styles[name], param.shape, mesh.tp_axis)
         if fsdp:
-            spec = _add_fsdp(spec, param.shape, mesh)
+            spec = _add_fsdp(spec, param.shape, mesh, floor)
         _check_divisible(name, param.shape, spec, mesh)
         entries.append((name, param, spec, styles[name]))
     return ShardSpecs(entries, mesh)

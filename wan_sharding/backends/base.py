@@ -87,6 +87,11 @@ class Backend(abc.ABC):
         show its partitioned program."""
         return None
 
+    def placed_weight_bytes(self, dit: torch.nn.Module, placed: Any) -> list[int]:
+        """Bytes of ``dit``'s parameters on each device of the mesh (device order), read from what
+        :meth:`place` put there, not from the specs."""
+        raise BackendError(f"the {self.name} backend cannot report its placed weights")
+
     def release(self, dit: torch.nn.Module) -> None:
         """Forget anything compiled or cached for ``dit`` (nothing by default)."""
 
@@ -149,3 +154,15 @@ def input_signature(value: Any) -> Any:
     if isinstance(value, Mapping):
         return ("mapping", tuple(sorted((str(k), input_signature(v)) for k, v in value.items())))
     return ("object", type(value).__qualname__)
+
+
+def slice_bytes(shape: tuple[int, ...], index: Any, itemsize: int) -> int:
+    """Bytes of the block ``index`` (a tuple of slices, as shardings report a device's piece) of
+    an array of ``shape``."""
+    if index is Ellipsis:  # the whole array
+        index = None
+    n = 1
+    for dim, size in enumerate(shape):
+        s = index[dim] if index is not None and dim < len(index) else slice(None)
+        n *= len(range(*s.indices(size)))
+    return n * itemsize

@@ -18,7 +18,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import Backend, BackendError, Program, input_signature
+from .base import Backend, BackendError, Program, input_signature, slice_bytes
 
 
 class JaxBackend(Backend):
@@ -157,6 +157,11 @@ class JaxBackend(Backend):
             cache[id(dit)] = (dit, jax.jit(self.jax_forward(dit)))  # keep dit alive with its id
         return cache[id(dit)][1]
 
+    def placed_weight_bytes(self, dit: torch.nn.Module, placed: dict[str, Any]) -> list[int]:
+        """Per device, from each parameter array's sharding (concrete arrays, or the abstract
+        ``ShapeDtypeStruct`` weights of compile-only): the piece that device holds."""
+        return placed_bytes_per_device([placed[n] for n, _ in dit.named_parameters()], self.native_mesh)
+
     def release(self, dit: torch.nn.Module) -> None:
         self.__dict__.get("_jit_cache", {}).pop(id(dit), None)
 
@@ -261,6 +266,20 @@ class JaxBackend(Backend):
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
         env.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
         return env
+
+
+def placed_bytes_per_device(arrays: list, mesh: Any) -> list[int]:
+    """Bytes each device of ``mesh`` holds of ``arrays`` (jax arrays or ``ShapeDtypeStruct`` with a
+    sharding), in the mesh's device order."""
+    import numpy as np
+
+    devices = list(np.asarray(mesh.devices).flat)
+    totals = {d: 0 for d in devices}
+    for a in arrays:
+        itemsize = np.dtype(a.dtype).itemsize
+        for device, index in a.sharding.devices_indices_map(tuple(a.shape)).items():
+            totals[device] += slice_bytes(tuple(a.shape), index, itemsize)
+    return [totals[d] for d in devices]
 
 
 def collective_counts(hlo_text: str) -> dict[str, int]:

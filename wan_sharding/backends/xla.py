@@ -14,7 +14,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import Backend, BackendError
+from .base import Backend, BackendError, slice_bytes
 
 
 def enable_spmd() -> None:
@@ -100,6 +100,18 @@ class XlaBackend(Backend):
 
     def to_host(self, out: Any) -> torch.Tensor:
         return out.cpu()
+
+    def placed_weight_bytes(self, dit: torch.nn.Module, placed: Any) -> list[int]:
+        """Per device, from torch-xla's own record of which piece of each parameter that device
+        holds (``_get_local_shard_replica_and_indices``, no data copied)."""
+        import torch_xla
+
+        params = list(dit.parameters())
+        totals = [0] * self.mesh.num_devices
+        for p, pieces in zip(params, torch_xla._XLAC._get_local_shard_replica_and_indices(params)):
+            for device, (_, index) in enumerate(pieces):
+                totals[device] += slice_bytes(tuple(p.shape), index, p.element_size())
+        return totals
 
     @staticmethod
     def cpu_env(num_devices: int) -> dict[str, str]:

@@ -21,16 +21,27 @@ from typing import Any
 
 import torch
 
-from .probes import CacheProbe, CacheStats, UnitRunner, cache_hooked_modules, compiled_units, install_probe
+from .probes import (
+    CacheProbe,
+    CacheStats,
+    OutputFix,
+    UnitRunner,
+    cache_hooked_modules,
+    compiled_units,
+    install_probe,
+    zero_padding_rows,
+)
 
 # Models with a cache enabled through this package -> their probe. Weak: a dropped model is forgotten.
 _PROBES: "weakref.WeakKeyDictionary[torch.nn.Module, CacheProbe]" = weakref.WeakKeyDictionary()
 
 
-def enable_model_cache(dit: torch.nn.Module, config: Any, runner: UnitRunner | None = None) -> CacheProbe:
+def enable_model_cache(dit: torch.nn.Module, config: Any, runner: UnitRunner | None = None,
+                       post: OutputFix | None = None) -> CacheProbe:
     """``dit.enable_cache(config)`` with a probe under the cache's hooks (statistics; with
-    ``runner``, compiled pieces between the cache's decisions). Errors as diffusers' ``enable_cache``."""
-    probe = install_probe(dit, config, runner=runner)
+    ``runner``, compiled pieces between the cache's decisions; ``post``: see :func:`install_probe`).
+    Errors as diffusers' ``enable_cache``."""
+    probe = install_probe(dit, config, runner=runner, post=post)
     _PROBES[dit] = probe
     return probe
 
@@ -82,5 +93,5 @@ __all__ = [
     "compiled_units",
     "disable_model_cache", "disable_pipeline_cache", "enable_model_cache", "enable_pipeline_cache", "expert_steps",
     "install_probe", "model_cache_probe", "model_cache_stats", "pipeline_cache_stats", "release_model_cache",
-    "reset_pipeline_cache", "wan_cache_config",
+    "reset_pipeline_cache", "wan_cache_config", "zero_padding_rows",
 ]

@@ -29,6 +29,8 @@ INNER_HOOK = "wan_sharding_cache_probe"
 
 # (unit name, module, the module's own forward, args, kwargs) -> output
 UnitRunner = Callable[[str, torch.nn.Module, Callable, tuple, dict], Any]
+# (module name, its output) -> the output the cache hook above it sees
+OutputFix = Callable[[str, Any], Any]
 
 
 def cache_hooked_modules(dit: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -86,17 +88,19 @@ def _inner_hook_class():
     from diffusers.hooks.hooks import ModelHook
 
     class InnerHook(ModelHook):
-        def __init__(self, name: str, stats: CacheStats | None, runner: UnitRunner | None):
+        def __init__(self, name: str, stats: CacheStats | None, runner: UnitRunner | None, post: OutputFix | None):
             super().__init__()
-            self.name, self.stats, self.runner = name, stats, runner
+            self.name, self.stats, self.runner, self.post = name, stats, runner, post
 
         def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             if self.stats is not None:
                 self.stats.computed[self.name] = self.stats.computed.get(self.name, 0) + 1
                 self.stats.decisions[-1] = (self.name, True)
             if self.runner is None:
-                return self.fn_ref.original_forward(*args, **kwargs)
-            return self.runner(self.name, module, self.fn_ref.original_forward, args, kwargs)
+                out = self.fn_ref.original_forward(*args, **kwargs)
+            else:
+                out = self.runner(self.name, module, self.fn_ref.original_forward, args, kwargs)
+            return out if self.post is None else self.post(self.name, out)
 
     return InnerHook
 
@@ -132,11 +136,12 @@ class CacheProbe:
 
 
 def install_probe(dit: torch.nn.Module, config: Any, runner: UnitRunner | None = None,
-                  count: bool = True) -> CacheProbe:
+                  count: bool = True, post: OutputFix | None = None) -> CacheProbe:
     """Enable ``config`` on ``dit`` (diffusers' ``enable_cache``) with a probe under every cache hook.
 
     ``runner``: how a compiling backend runs one piece (see the module docstring); ``None`` runs the
     model as it is (eager or lazy backends, the unsharded model). ``count``: keep :class:`CacheStats`.
+    ``post``: applied to each cache-hooked module's output before its cache hook sees it.
     Raises what diffusers raises for an unsupported config or a cache already enabled.
     """
     if dit.is_cache_enabled:
@@ -163,7 +168,8 @@ def install_probe(dit: torch.nn.Module, config: Any, runner: UnitRunner | None =
             module = modules[name]
             is_hooked = name in hooked
             HookRegistry.check_if_exists_or_initialize(module).register_hook(
-                InnerHook(name, stats if (count and is_hooked) else None, runner if name in units else None),
+                InnerHook(name, stats if (count and is_hooked) else None, runner if name in units else None,
+                          post if is_hooked else None),
                 INNER_HOOK)
             probe._inner.append(module)
             if count and is_hooked:
@@ -181,3 +187,21 @@ def _counter(name: str, stats: CacheStats) -> Callable:
         stats.decisions.append((name, False))  # the inner hook turns it to True if it computes
 
     return pre_hook
+
+
+def zero_padding_rows(state: Any, module: str = "blocks.0") -> OutputFix:
+    """For a model whose token dim is padded for sequence parallelism (``state``: its SP
+    ``ForwardState``): zero the padded rows of ``module``'s output (the block where SP pads).
+
+    FirstBlockCache decides from the mean change of that block's residual over all rows; the padded
+    rows (zeros in, something else out) would enter that mean and could flip a decision near the
+    threshold. Zeroed, they add nothing to either side of its ratio, so the sharded model decides as
+    the unpadded one does. Exact for every token that counts: no valid token reads a padded row
+    (the key mask, or K/V sliced back). Costs one multiply per forward, only while a cache is on."""
+    def fix(name: str, out: Any) -> Any:
+        if name != module or not state.padded or not isinstance(out, torch.Tensor):
+            return out
+        keep = (torch.arange(state.padded_len, device=out.device) < state.valid_len).to(out.dtype)
+        return out * keep.view(1, -1, 1)
+
+    return fix

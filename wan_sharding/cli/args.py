@@ -38,9 +38,9 @@ def add_dtype(ap: argparse.ArgumentParser, default: str | None, help: str = "") 
                     help=help or f"compute dtype (also accepted: {', '.join(a for a in DTYPE_ALIASES if a not in DTYPES)})")
 
 
-def add_padding(ap: argparse.ArgumentParser, default: str) -> None:
+def add_padding(ap: argparse.ArgumentParser, default: str | None) -> None:
     ap.add_argument("--padding", default=default, choices=list(PADDING_NAMES),
-                    help=f"how the token dim is padded to SP x 32 (default {default})")
+                    help=f"how the token dim is padded to SP x 32 (default {default or 'mask, or the plan padding'})")
 
 
 def stack_missing(backends: Iterable[str]) -> bool:
@@ -73,3 +73,12 @@ def add_cache(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cache", default="none", choices=list(CACHE_KINDS),
                     help="step cache on every expert: fbc (FirstBlockCache), mag (MagCache, calibrated first), "
                          "taylorseer, pab (Pyramid Attention Broadcast); default none")
+
+
+def add_plan(ap: argparse.ArgumentParser) -> None:
+    """``--plan PLAN.json``: a ShardingPlan (``wan-sharding plan --write``) instead of a preset's roles."""
+    from .validate import plan_file
+
+    ap.add_argument("--plan", type=plan_file, metavar="PLAN.json",
+                    help="a sharding plan written by `wan-sharding plan --write`: its mesh, axis roles, FSDP, layout "
+                         "and padding are applied (--mesh / --padding then must agree or be left out)")

@@ -11,15 +11,19 @@ from ..jobs.check import CASE_LATENTS, Case, run_in_subprocess
 from ..jobs.pcc import PCC_THRESHOLDS
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
-from ..options import CPU_BACKENDS, DEFAULT_PADDING, EXECUTING_BACKENDS
-from .args import add_dtype, add_mesh, add_padding, add_patches, preset, stack_missing
-from .validate import check_length, check_rope_length
+from ..options import CPU_BACKENDS, EXECUTING_BACKENDS
+from .args import add_dtype, add_mesh, add_padding, add_patches, add_plan, preset, stack_missing
+from .validate import apply_plan, check_length, check_rope_length
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 
 
 def _check(args: argparse.Namespace) -> int:
     from ..models import config_for
+
+    apply_plan(args, list(DEFAULT_MESHES), "--meshes")
+    if args.plan is not None and not args.json:
+        print(f"plan: {args.plan.name}")
 
     for length in args.lengths:
         if length not in CASE_LATENTS:
@@ -32,7 +36,7 @@ def _check(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for backend in args.backends:
         for mesh in args.meshes:
-            for r in run_in_subprocess(backend, mesh, cases):
+            for r in run_in_subprocess(backend, mesh, cases, plan=args.plan):
                 failed |= not r["ok"]
                 rows.append(r)
                 if not args.json:
@@ -86,8 +90,9 @@ def _meshes(args: argparse.Namespace) -> int:
 def add_subcommands(sub: Any) -> None:
     """Add ``check``, ``specs`` and ``meshes``."""
     check = sub.add_parser("check", help="PCC of the sharded tiny DiT vs unsharded (the default job)")
-    check.add_argument("--meshes", nargs="+", default=list(DEFAULT_MESHES), type=preset, choices=list(PRESET_TABLE),
-                       metavar="MESH", help=f"mesh presets (default {' '.join(DEFAULT_MESHES)})")
+    check.add_argument("--meshes", nargs="+", default=None, type=preset, choices=list(PRESET_TABLE),
+                       metavar="MESH", help=f"mesh presets (default {' '.join(DEFAULT_MESHES)}, or the plan's)")
+    add_plan(check)
     check.add_argument("--backends", nargs="+", default=list(CPU_BACKENDS), choices=list(EXECUTING_BACKENDS),
                        help=f"default {' '.join(CPU_BACKENDS)} (CPU virtual devices); tt runs on Tenstorrent "
                             "devices and needs Tenstorrent's stack")
@@ -95,7 +100,7 @@ def add_subcommands(sub: Any) -> None:
     check.add_argument("--lengths", nargs="+", default=["aligned", "padded"], type=check_length(tuple(CASE_LATENTS)),
                        help="'aligned' (256 tokens), 'padded' (105 tokens) or a latent shape F,H,W")
     add_dtype(check, "fp32")
-    add_padding(check, DEFAULT_PADDING)
+    add_padding(check, None)
     add_patches(check)
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=_check)

@@ -13,18 +13,23 @@ from ..jobs.launch import UNSHARDED
 from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
-from ..options import EXECUTING_BACKENDS, DEFAULT_PADDING
-from .args import add_cache, add_dtype, add_mesh, add_padding, add_patches, stack_missing
-from .validate import check_generate, check_profile
+from ..options import EXECUTING_BACKENDS
+from .args import add_cache, add_dtype, add_mesh, add_padding, add_patches, add_plan, stack_missing
+from .validate import apply_plan, check_generate, check_profile
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
 
 
 def _params(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if k != "func"}
+    """The command's options as the worker's JSON parameters (a plan as its dict)."""
+    out = {k: v for k, v in vars(args).items() if k != "func"}
+    if args.plan is not None:
+        out.update(plan=args.plan.to_dict(), plan_name=args.plan.name)
+    return out
 
 
 def _generate(args: argparse.Namespace) -> int:
+    apply_plan(args, "2x4")
     check_generate(args)
     if stack_missing([args.backend]):
         return 1
@@ -35,6 +40,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    if args.plan is not None and args.mesh == UNSHARDED:
+        print("wan-sharding profile: error: --mesh unsharded is the one-device baseline; leave it out with --plan",
+              file=sys.stderr)
+        return 2
+    apply_plan(args, "2x4")
     check_profile(args)
     if args.cache != "none" and "dit" in args.what:
         print("wan-sharding profile: error: --cache acts across denoising steps; use it with --what step", file=sys.stderr)
@@ -55,7 +65,8 @@ def add_subcommands(sub: Any) -> None:
     """Add ``generate`` and ``profile``."""
     g = sub.add_parser("generate", help="run a Wan 2.2 pipeline with both experts sharded; write the video",
                        description=GENERATE_DOC.split("\n\n")[0])
-    add_mesh(g, "2x4")
+    add_mesh(g, None, help="mesh preset (default 2x4, or the plan's)")
+    add_plan(g)
     g.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
     g.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
                    help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
@@ -64,7 +75,7 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument("--frames", type=int, help="video frames (default: 5 tiny, 81 with --model)")
     g.add_argument("--height", type=int, help="pixels (default: 64 tiny A14B, 128 tiny TI2V, 480 with --model)")
     g.add_argument("--width", type=int, help="pixels (default: 96 tiny A14B, 192 tiny TI2V, 832 with --model)")
-    add_padding(g, DEFAULT_PADDING)
+    add_padding(g, None)
     add_patches(g)
     add_cache(g)
     g.add_argument("--seed", type=int, default=0)
@@ -79,14 +90,16 @@ def add_subcommands(sub: Any) -> None:
 
     p = sub.add_parser("profile", help="warm-iteration timing of the sharded DiT or denoising step",
                        description=PROFILE_DOC.split("\n\n")[0])
-    add_mesh(p, "2x4", UNSHARDED, help=f"a preset, or '{UNSHARDED}' (one device, no TP/SP: the baseline)")
+    add_mesh(p, None, UNSHARDED, help=f"a preset, or '{UNSHARDED}' (one device, no TP/SP: the baseline); default 2x4, "
+                                       "or the plan's")
+    add_plan(p)
     p.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
     p.add_argument("--what", nargs="+", default=["dit"], choices=list(WHAT),
                    help="dit: one DiT forward; step: cond + uncond forward, CFG, scheduler step")
     p.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations (the first compiles)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations")
-    add_padding(p, DEFAULT_PADDING)
+    add_padding(p, None)
     add_patches(p)
     add_cache(p)
     p.add_argument("--resolution", default="small", choices=sorted(PROFILE_LATENTS),

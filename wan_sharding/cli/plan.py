@@ -50,7 +50,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         report = plan_sharding(args.mesh, args.arch, args.variant, args.resolution,
                                latent_for(None, args.latent) if args.latent else None, top=args.top,
                                compile=not args.no_compile, attention=args.attention, topology=args.topology,
-                               work_dir=args.out, timeout=args.timeout, keep=keep, cfg_split=not args.no_cfg_split,
+                               work_dir=args.out, timeout=args.timeout, keep=keep, cfg_split=args.cfg_split,
                                progress=progress)
     except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
         if args.json:
@@ -60,17 +60,35 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     data = report.to_json()
     data["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    if args.write and report.recommended is not None and report.recommended.cfg_axis:
+        print(f"wan-sharding {args.command}: error: the recommended plan splits the mesh for CFG, which shard_pipeline "
+              "cannot run; nothing written (rerun without --cfg-split to write the best whole-mesh plan)",
+              file=sys.stderr)
+        return EXIT_ERROR
     if args.write and report.recommended is not None:
         with atomic_path(args.write) as tmp:  # the plan's own format, renamed into place when complete
             report.recommended.plan.save(tmp)
         data["written"] = str(args.write)
+    if args.verify and report.recommended is not None and not report.recommended.cfg_axis:
+        from ..jobs.placement import verify_in_subprocess
+
+        v = verify_in_subprocess(report.recommended.plan, args.variant)
+        v["planner_memory_per_chip_gb"] = round(report.recommended.memory.total / 1e9, 3)
+        v["planner_weights_gb"] = round(report.recommended.memory.weights / 1e9, 3)
+        data["verify"] = v
     if args.json:
         print(json.dumps(data))
     else:
         print(format_report(report, data))
+        if data.get("verify"):
+            v = data["verify"]
+            print(f"verify: {v['plan']} placed on {v['devices']} devices (abstract full-size weights, "
+                  f"{v['experts']} expert(s), bf16): {v['placed_bytes_max'] / 1e9:.3f} GB of weights per device "
+                  f"(min {v['placed_bytes_min'] / 1e9:.3f}); the planner counts {v['planner_weights_gb']:.3f} GB "
+                  f"({v['placed_over_predicted']:.4f}x) of its {v['planner_memory_per_chip_gb']:.2f} GB per chip")
         if data.get("written"):
-            print(f"wrote {data['written']}: shard_dit_specs(dit, ShardingPlan.load({str(args.write)!r}))"
-                  + (" on each half of the mesh (CFG split)" if report.recommended.cfg_axis else ""))
+            print(f"wrote {data['written']}: shard_pipeline(pipe, plan={str(args.write)!r}) or "
+                  f"wan-sharding generate --plan {args.write}")
     return plan_exit_code(report)
 
 
@@ -96,11 +114,15 @@ def add_subcommands(sub: Any) -> None:
                    help="only plans with this padding mode (SP 1 plans, which need none, stay)")
     p.add_argument("--fsdp", choices=["on", "off"], default=None, help="only plans with (on) or without (off) FSDP")
     p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
-    p.add_argument("--no-cfg-split", action="store_true",
-                   help="leave out the CFG splits (cond and uncond at once on the two halves of an axis)")
+    p.add_argument("--cfg-split", action="store_true",
+                   help="also rank CFG splits (cond and uncond at once on the two halves of an axis): a what-if, "
+                        "shard_pipeline cannot run one, so --write refuses it")
     p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per compile batch")
     p.add_argument("--out", default=None, help="folder for the compiled IRs (default: a new temp folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--write", default=None, metavar="PLAN.json", help="save the recommended ShardingPlan")
+    p.add_argument("--verify", action="store_true",
+                   help="place the recommended plan on the full-size experts (abstract weights, JAX CPU devices) and "
+                        "report the bytes per device next to the planner's count")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_cmd_plan)

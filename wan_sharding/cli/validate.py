@@ -220,6 +220,58 @@ def output_file(path: str | os.PathLike[str], flag: str) -> None:
     _writable_dir(target.parent, flag, target)
 
 
+# ---- a sharding plan file (``--plan``) -------------------------------------------------------------
+
+
+def plan_file(text: str) -> Any:
+    """``--plan PLAN.json``: a :class:`~wan_sharding.plan.ShardingPlan` file that loads and checks."""
+    from ..plan import PlanError, ShardingPlan
+
+    try:
+        return ShardingPlan.load(text)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} ({e.strerror}); pass a file written by "
+                                         "`wan-sharding plan --write`") from None
+    except (PlanError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sharding plan: {e}") from None
+
+
+def _roles_by_position(spec: Any) -> tuple:
+    """(shape, positions of the SP axes, positions of the TP axes) of a MeshSpec."""
+    def positions(role: Any) -> tuple:
+        axes = () if role is None else (role,) if isinstance(role, str) else tuple(role)
+        return tuple(sorted(spec.axis_names.index(a) for a in axes))
+
+    return tuple(spec.shape), positions(spec.sp_axis), positions(spec.tp_axis)
+
+
+def apply_plan(args: argparse.Namespace, default_mesh: str | list[str], mesh_flag: str = "--mesh") -> None:
+    """With ``--plan``: the mesh (``args.mesh``, or ``args.meshes`` for ``check``) and padding become
+    the plan's; a ``--mesh``/``--padding`` that says otherwise is a usage error. Without: the defaults."""
+    from ..mesh import mesh_from_preset
+    from ..options import DEFAULT_PADDING
+
+    plan = getattr(args, "plan", None)
+    attr = mesh_flag.lstrip("-")
+    given = getattr(args, attr)
+    if plan is None:
+        if given is None:
+            setattr(args, attr, default_mesh)
+        if args.padding is None:
+            args.padding = DEFAULT_PADDING
+        return
+    wanted = plan.mesh()
+    for name in ([given] if isinstance(given, str) else given or []):
+        if _roles_by_position(mesh_from_preset(name)) != _roles_by_position(wanted):
+            raise UsageError(f"{mesh_flag} {name} contradicts the plan's mesh ({plan.name}); leave {mesh_flag} out "
+                             "with --plan")
+    if args.padding is not None and args.padding != plan.padding:
+        raise UsageError(f"--padding {args.padding} contradicts the plan's padding {plan.padding}; leave --padding "
+                         "out with --plan")
+    setattr(args, attr, wanted.name if attr == "mesh" else [wanted.name])
+    args.padding = plan.padding
+
+
 # ---- whole commands (called first thing in the command, before any worker starts) ---------------
 
 

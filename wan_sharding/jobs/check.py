@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from ..options import DEFAULT_PADDING
 from ..workers import WorkerError, run_worker, worker_main
-from .launch import prepare_worker, stall_seconds, worker_env
+from .launch import plan_devices, prepare_worker, stall_seconds, worker_env
 from .pcc import PCC_THRESHOLDS, compare
 
 # Latent shapes of the embedded tiny cases. ``aligned``: 256 tokens, a multiple of SP*32 for every
@@ -70,15 +70,18 @@ class Case:
 
 
 def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path | None = None,
-                      timeout: float = 1200) -> list[dict[str, Any]]:
+                      timeout: float = 1200, plan: Any = None) -> list[dict[str, Any]]:
     """Run ``cases`` for one backend on one mesh in a fresh process; returns the result dicts,
     each with ``ok``: PCC at or above the dtype's threshold. BackendError, before any process
-    starts, when the backend's stack is missing (``tt`` without Tenstorrent's stack)."""
+    starts, when the backend's stack is missing (``tt`` without Tenstorrent's stack).
+    ``plan``: a ShardingPlan applied instead of the preset's roles (``mesh`` is then its mesh name;
+    each case's padding must be the plan's)."""
     from ..mesh import mesh_from_preset
 
     params = {"backend": backend, "mesh": mesh, "cases": [str(c) for c in cases],
-              "save": None if save is None else str(save)}
-    run = run_worker("wan_sharding.jobs.check", params, worker_env(backend, mesh_from_preset(mesh).num_devices),
+              "save": None if save is None else str(save), "plan": None if plan is None else plan.to_dict()}
+    devices = plan_devices(plan) if plan is not None else mesh_from_preset(mesh).num_devices
+    run = run_worker("wan_sharding.jobs.check", params, worker_env(backend, devices),
                      label=f"{backend} check worker on {mesh}", timeout=timeout, stall_s=stall_seconds(backend))
     if not run.ok:
         raise WorkerError(f"{backend} worker on {mesh} failed (exit {run.returncode}):\n{run.output[-4000:]}")
@@ -90,7 +93,7 @@ def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path
 # ------------------------------------------------------------------------------------ worker side
 
 
-def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = None) -> dict[str, Any]:
+def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = None, plan: Any = None) -> dict[str, Any]:
     """Build the tiny DiT, run it unsharded and sharded on this process's devices, compare."""
     import torch
 
@@ -106,14 +109,15 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
 
     start = time.perf_counter()
     sharded = copy.deepcopy(dit)  # the xla backend moves the model to the device
-    backend = get_backend(backend_name, mesh_name)
+    backend = get_backend(backend_name, mesh_name) if plan is None else get_backend(backend_name, plan.mesh(),
+                                                                                    spec=plan.mesh())
     if case.patches:  # rewrites on the sharded copy only: the reference stays the vanilla model
         from ..patches import apply_patches
 
         apply_patches(sharded, case.patches.split("+"), mesh=backend.mesh)
-    specs = shard_dit_specs(sharded, backend.mesh)
+    specs = shard_dit_specs(sharded, plan if plan is not None else backend.mesh)
     placed = backend.place(sharded, specs)
-    handle = apply_dit_sp_activation_sharding(sharded, backend.mesh, backend=backend, padding=case.padding)
+    handle = apply_dit_sp_activation_sharding(sharded, backend.mesh, backend=backend, padding=case.padding, plan=plan)
     with torch.no_grad():
         # Compile once and run that program, so the collectives are read off what ran.
         program = backend.compile(sharded, placed, **inputs)
@@ -125,7 +129,8 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
 
     value, max_abs = compare(reference, out)
     result = {
-        "backend": backend_name, "mesh": mesh_name, "case": str(case), **asdict(case),
+        "backend": backend_name, "mesh": mesh_name, "plan": None if plan is None else plan.name,
+        "case": str(case), **asdict(case),
         "shape": list(out.shape), "pcc": value, "max_abs": max_abs, "seconds": round(seconds, 2),
         "params": specs.counts(), "tokens": info["last_tokens"], "padded_tokens": info["last_padded_tokens"],
         "sp_points": len(info["sp_points"]),
@@ -142,8 +147,13 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
 def _job(params: dict[str, Any]):
     prepare_worker(params["backend"])
     save = Path(params["save"]) if params.get("save") else None
+    plan = None
+    if params.get("plan"):
+        from ..plan import ShardingPlan
+
+        plan = ShardingPlan.from_dict(params["plan"])
     for text in params["cases"]:
-        yield run_case(params["backend"], params["mesh"], Case.parse(text), save)
+        yield run_case(params["backend"], params["mesh"], Case.parse(text), save, plan=plan)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ from typing import Any
 
 from ..mesh import mesh_from_preset
 from ..options import DEFAULT_PADDING, torch_dtype
+from ..plan import ShardingPlan
 from ..workers import WorkerError, WorkerRun, atomic_write, emit, run_worker, worker_main
-from .launch import mesh_arg, num_devices, prepare_worker, stall_seconds, worker_env
+from .launch import mesh_arg, num_devices, plan_devices, plan_mesh_arg, prepare_worker, stall_seconds, worker_env
 from .pcc import PIPELINE_PCC_THRESHOLDS, compare
 
 WORKER = "wan_sharding.jobs.generate"
@@ -35,7 +36,8 @@ WORKER = "wan_sharding.jobs.generate"
 def run_generate(params: dict[str, Any], echo: bool = True) -> WorkerRun:
     """Run one ``generate`` (``params``: the command's options) in a worker; its lines are printed
     as they come when ``echo``."""
-    return run_worker(WORKER, {"kind": "generate", **params}, worker_env(params["backend"], num_devices([params["mesh"]])),
+    devices = plan_devices(params["plan"]) if params.get("plan") else num_devices([params["mesh"]])
+    return run_worker(WORKER, {"kind": "generate", **params}, worker_env(params["backend"], devices),
                       label=f"{params['backend']} worker (generate)", echo=echo,
                       stall_s=stall_seconds(params["backend"]))
 
@@ -46,14 +48,22 @@ def compare_in_subprocess(backend: str, meshes: list[str], variant: str = "t2v-a
     """Sharded vs unsharded pipeline latents for each mesh, in one worker process (JAX runs every
     mesh on a subset of one process's devices; torch-xla needs one process per mesh size).
     Each result also says whether ``remove()`` restored the pipeline exactly."""
-    if backend in ("xla", "tt") and len({mesh_from_preset(m).num_devices for m in meshes}) > 1:
-        raise ValueError(f"the {backend} backend runs one device count per process; call once per mesh")
     params = dict(kind="compare", meshes=meshes, variant=variant, steps=steps, padding=padding, dtype=dtype,
                   seed=seed, backend=backend)
-    run = run_worker(WORKER, params, worker_env(backend, num_devices(meshes)), label=f"{backend} worker (compare)", stall_s=stall_seconds(backend),
-                     timeout=timeout)
+    return _comparison_worker(params, [mesh_from_preset(m).num_devices for m in meshes], timeout)
+
+
+def _comparison_worker(params: dict[str, Any], device_counts: list[int], timeout: float) -> list[dict[str, Any]]:
+    """One worker for a comparison job (``params["kind"]``) over runs needing ``device_counts``
+    devices: JAX runs the smaller ones on a subset of one process's devices; torch-xla and tt
+    need one device count per process."""
+    backend, kind = params["backend"], params["kind"]
+    if backend in ("xla", "tt") and len(set(device_counts)) > 1:
+        raise ValueError(f"the {backend} backend runs one device count per process; call once per device count")
+    run = run_worker(WORKER, params, worker_env(backend, max(device_counts)), label=f"{backend} worker ({kind})",
+                     stall_s=stall_seconds(backend), timeout=timeout)
     if not run.ok:
-        raise WorkerError(f"{backend} compare worker failed (exit {run.returncode}):\n{run.output[-4000:]}")
+        raise WorkerError(f"{backend} {kind} worker failed (exit {run.returncode}):\n{run.output[-4000:]}")
     return run.results
 
 
@@ -81,7 +91,8 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
 
     req = kwargs()
     print(f"generate {variant} ({'tiny random weights' if tiny else p['model']}, {dtype_name}) on "
-          f"{p['backend']} {p['mesh']}, padding {p['padding']}: {p['steps']} steps, {req['num_frames']} frames "
+          f"{p['backend']} {p['mesh']}{' (plan ' + p['plan_name'] + ')' if p.get('plan_name') else ''}, padding "
+          f"{p['padding']}: {p['steps']} steps, {req['num_frames']} frames "
           f"{req['height']}x{req['width']}", flush=True)
     result: dict[str, Any] = {"variant": variant, "model": p.get("model") or "tiny", "dtype": dtype_name,
                               "backend": p["backend"], "mesh": p["mesh"], "padding": p["padding"],
@@ -107,8 +118,16 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
             print(f"  unsharded reference run with {cache}: {_skips(result['unsharded_cache'])}", flush=True)
 
     t = time.perf_counter()
-    handle = shard_pipeline(pipe, mesh_arg(p["backend"], p["mesh"]), backend=p["backend"], padding=p["padding"],
-                            patches=p.get("patches") or ())
+    plan = ShardingPlan.from_dict(p["plan"]) if p.get("plan") else None
+    if plan is not None:  # the plan's mesh, roles, FSDP, layout and padding
+        handle = shard_pipeline(pipe, plan_mesh_arg(p["backend"], plan), backend=p["backend"], plan=plan,
+                                patches=p.get("patches") or ())
+        result["memory"] = placed_vs_predicted(handle, plan)
+        _print_memory(result["memory"])
+    else:
+        handle = shard_pipeline(pipe, mesh_arg(p["backend"], p["mesh"]), backend=p["backend"], padding=p["padding"],
+                                patches=p.get("patches") or ())
+    result["plan"] = None if plan is None else plan.name
     result["patches"] = list(p.get("patches") or ())
     result["shard_seconds"] = round(time.perf_counter() - t, 3)
     uncached = None
@@ -145,7 +164,8 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     frames = out.frames[0]
     steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
     latents = final["latents"]
-    stem = Path(p["out"]) / f"{variant}-{p['backend']}-{p['mesh']}-{p['padding']}{'' if cache == 'none' else '-' + cache}"
+    tag = f"{p['mesh']}-{p['padding']}" if plan is None else "plan-" + plan.name.replace(" ", "_").replace("[", "").replace("]", "")
+    stem = Path(p["out"]) / f"{variant}-{p['backend']}-{tag}{'' if cache == 'none' else '-' + cache}"
     video = write_video(frames, stem)
     expert = next(iter(info["experts"].values()))
     result.update(
@@ -189,6 +209,27 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     atomic_write(result["summary"], json.dumps(result, indent=1) + "\n")
     print(f"  video: {video}  summary: {result['summary']}", flush=True)
     return [result]
+
+
+def placed_vs_predicted(handle: Any, plan: Any) -> dict[str, dict[str, Any]]:
+    """Per expert: its weights' bytes per device as placed on the backend's devices, next to what
+    the planner counts for the same plan and model (``predicted_weight_bytes``)."""
+    from ..planner.search import predicted_weight_bytes
+
+    out = {}
+    for name, per_device in handle.placed_weight_bytes().items():
+        dit = next(e.dit for e in handle.experts if e.name == name)
+        predicted = predicted_weight_bytes(dit, plan)
+        out[name] = {"placed_max": max(per_device), "placed_min": min(per_device), "predicted": predicted,
+                     "placed_over_predicted": round(max(per_device) / predicted, 6),
+                     "unsharded": sum(t.numel() * t.element_size() for t in dit.parameters())}
+    return out
+
+
+def _print_memory(memory: dict[str, dict[str, Any]]) -> None:
+    for name, m in memory.items():
+        print(f"  weights per device, {name}: placed {m['placed_max']:,} B (min {m['placed_min']:,}), planner "
+              f"{m['predicted']:,} B ({m['placed_over_predicted']:.4f}x); unsharded {m['unsharded']:,} B", flush=True)
 
 
 def _cached_run(pipe: Any, cache: str, steps: int, ratios: Any, run: Any) -> tuple[Any, dict[str, Any]]:
@@ -256,15 +297,9 @@ def cache_compare_in_subprocess(backend: str, meshes: list[str], caches: list[st
     """Per cache kind and mesh: the tiny pipeline sharded with that cache vs unsharded with the same
     cache (decisions, final latents), and vs the sharded run without a cache (drift). With
     ``timing``, each run is repeated warm and timed (the benchmark). One worker for all of it."""
-    if backend in ("xla", "tt") and len({mesh_from_preset(m).num_devices for m in meshes}) > 1:
-        raise ValueError(f"the {backend} backend runs one device count per process; call once per mesh")
     params = dict(kind="cache", meshes=meshes, caches=caches, variant=variant, steps=steps, padding=padding,
                   dtype="fp32", seed=seed, backend=backend, timing=timing)
-    run = run_worker(WORKER, params, worker_env(backend, num_devices(meshes)), label=f"{backend} worker (cache)",
-                     stall_s=stall_seconds(backend), timeout=timeout)
-    if not run.ok:
-        raise WorkerError(f"{backend} cache worker failed (exit {run.returncode}):\n{run.output[-4000:]}")
-    return run.results
+    return _comparison_worker(params, [mesh_from_preset(m).num_devices for m in meshes], timeout)
 
 
 def _cache(p: dict[str, Any]) -> list[dict[str, Any]]:
@@ -332,9 +367,45 @@ def _cache(p: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
+def plans_compare_in_subprocess(backend: str, plans: list[Any], variant: str = "t2v-a14b", steps: int = 2,
+                                seed: int = 0, timeout: float = 1200) -> list[dict[str, Any]]:
+    """Per plan: the tiny pipeline sharded with ``shard_pipeline(pipe, plan=plan)`` vs unsharded
+    (final latents), and its weights per device as placed vs the planner's count. One worker with
+    the most devices any plan needs (JAX runs smaller plans on the first devices; torch-xla needs
+    one device count per process)."""
+    params = dict(kind="plans", plans=[p.to_dict() for p in plans], variant=variant, steps=steps, seed=seed,
+                  dtype="fp32", backend=backend)
+    return _comparison_worker(params, [plan_devices(p) for p in plans], timeout)
+
+
+def _plans(p: dict[str, Any]) -> list[dict[str, Any]]:
+    """The work of :func:`plans_compare_in_subprocess`; a result per plan as it finishes."""
+    from ..pipeline import shard_pipeline
+    from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
+
+    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]))
+    run = lambda: pipe(**call_kwargs(pipe, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
+    reference = run()
+    for data in p["plans"]:
+        plan = ShardingPlan.from_dict(data)
+        handle = shard_pipeline(pipe, plan_mesh_arg(p["backend"], plan), backend=p["backend"], plan=plan)
+        try:
+            memory = placed_vs_predicted(handle, plan)
+            out = run()
+            info = handle.describe()
+        finally:
+            handle.remove()
+        value, max_abs = compare(reference, out)
+        emit({"backend": p["backend"], "plan": plan.name, "mesh": info["mesh"], "sp": info["sp"], "tp": info["tp"],
+              "fsdp": plan.fsdp, "layout": plan.layout, "padding": info["padding"], "steps": p["steps"],
+              "pcc": value, "max_abs": max_abs, "memory": memory,
+              "restored": all(getattr(pipe, e.name) is e.dit for e in handle.experts)})
+    return []
+
+
 def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
     prepare_worker(params["backend"])
-    return {"generate": _generate, "compare": _compare, "cache": _cache}[params["kind"]](params)
+    return {"generate": _generate, "compare": _compare, "cache": _cache, "plans": _plans}[params["kind"]](params)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@ def num_devices(meshes: Iterable[str]) -> int:
     return max(1 if m == UNSHARDED else mesh_from_preset(m).num_devices for m in meshes)
 
 
+def plan_devices(plan: Any) -> int:
+    """Devices a worker needs for a plan (its dict or a ShardingPlan)."""
+    shape = plan["mesh_shape"] if isinstance(plan, dict) else plan.mesh_shape
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
 def check_stacks(backends: Iterable[str]) -> None:
     """Before any worker starts: BackendError (one line: what is missing and how to get it) when
     this machine lacks the stack one of ``backends`` runs on. Imports no stack."""
@@ -67,6 +76,22 @@ def prepare_worker(backend: str) -> None:
         from ..pipeline.shard import diffusers_without_torch_xla
 
         diffusers_without_torch_xla()
+
+
+def plan_mesh_arg(backend: str, plan: Any) -> Any:
+    """The mesh argument for ``shard_pipeline(..., plan=plan)`` in a worker: ``None`` (the plan's
+    own), or (JAX, when the process has more devices) a JAX mesh with the plan's axis names over
+    the first devices."""
+    if backend == "jax":
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh
+
+        devices = jax.devices()
+        n = int(np.prod(plan.mesh_shape))
+        if len(devices) > n:
+            return Mesh(np.array(devices[:n]).reshape(plan.mesh_shape), plan.axis_names)
+    return None
 
 
 def mesh_arg(backend: str, name: str) -> Any:

@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from ..workers import WorkerRun, run_worker, worker_main
-from .launch import UNSHARDED, mesh_arg, num_devices, prepare_worker, stall_seconds, worker_env
+from .launch import (UNSHARDED, mesh_arg, num_devices, plan_devices, plan_mesh_arg, prepare_worker, stall_seconds,
+                     worker_env)
 
 CPU_NOTE = "CPU virtual devices: timings compare configurations on this host; they are not hardware predictions"
 TT_NOTE = ("Tenstorrent devices: warm iterations reuse the forward compiled on the first one; "
@@ -38,8 +39,8 @@ WHAT = ("dit", "step")
 
 def run_profile(params: dict[str, Any], echo: bool = True, timeout: float | None = None) -> WorkerRun:
     """Run one profile (``params``: the command's options) in a worker; one result per ``what``."""
-    return run_worker("wan_sharding.jobs.profile", params,
-                      worker_env(params["backend"], num_devices([params["mesh"]])),
+    devices = plan_devices(params["plan"]) if params.get("plan") else num_devices([params["mesh"]])
+    return run_worker("wan_sharding.jobs.profile", params, worker_env(params["backend"], devices),
                       label=f"{params['backend']} worker (profile)", echo=echo, timeout=timeout,
                       stall_s=stall_seconds(params["backend"]))
 
@@ -74,6 +75,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
     from ..models import PER_TOKEN_TIMESTEPS, LatentShape, build_dit, dit_inputs
     from ..options import torch_dtype
     from ..pipeline import ShardedTransformer
+    from ..plan import ShardingPlan
     from ..pipeline.tiny import flow_scheduler, prompt_embeddings
     from ..specs import replicated_specs
 
@@ -86,15 +88,19 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
         placed = backend.place(dit, replicated_specs(dit))
         sp, padding = None, "none"
     else:
-        backend = get_backend(p["backend"], mesh_arg(p["backend"], p["mesh"]))
+        plan = ShardingPlan.from_dict(p["plan"]) if p.get("plan") else None
+        if plan is not None:  # the plan's mesh and roles, FSDP, layout, padding
+            backend = get_backend(p["backend"], plan_mesh_arg(p["backend"], plan) or plan.mesh(), spec=plan.mesh())
+        else:
+            backend = get_backend(p["backend"], mesh_arg(p["backend"], p["mesh"]))
         if p.get("patches"):  # rewrites first, then specs and SP
             from ..patches import apply_patches
 
             apply_patches(dit, p["patches"], mesh=backend.mesh)
-        placed = backend.place(dit, shard_dit_specs(dit, backend.mesh))
-        sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding=p["padding"])
+        placed = backend.place(dit, shard_dit_specs(dit, plan if plan is not None else backend.mesh))
+        sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding=p["padding"], plan=plan)
         padding = p["padding"]
-    model = ShardedTransformer(dit, backend, placed, "transformer", padding)
+    model = ShardedTransformer(dit, backend, placed, "transformer", padding, sp=sp)
     inputs = dit_inputs(p["variant"], latent, dtype=dtype)
     text_dim = dit.config.text_dim
     cond = prompt_embeddings("a red fox running through fresh snow", text_dim, dtype=dtype)
@@ -154,7 +160,8 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
         timed = times[p["warmup"]:]
         described = sp.describe() if sp is not None else {}
         r = {
-            "what": what, "backend": p["backend"], "mesh": p["mesh"], "padding": padding, "variant": p["variant"],
+            "what": what, "backend": p["backend"], "mesh": p["mesh"], "plan": p.get("plan_name"), "padding": padding,
+            "variant": p["variant"],
             "patches": list(p.get("patches") or ()),
             "dtype": p["dtype"], "latent": [latent.frames, latent.height, latent.width],
             "tokens": latent.tokens(), "padded_tokens": described.get("last_padded_tokens") or latent.tokens(),

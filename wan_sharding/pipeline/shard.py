@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -47,11 +48,13 @@ class ShardedTransformer(torch.nn.Module):
     ``Transformer2DModelOutput``.
     """
 
-    def __init__(self, dit: torch.nn.Module, backend: Backend, placed: Any, name: str, padding: str):
+    def __init__(self, dit: torch.nn.Module, backend: Backend, placed: Any, name: str, padding: str,
+                 sp: SPHandle | None = None):
         super().__init__()
         # Plain attributes, not submodules: module traversal (pipe.device, pipe.to, .modules())
         # must not reach the sharded weights.
-        self.__dict__.update(_dit=dit, _backend=backend, _placed=placed, component=name, padding=padding, calls=0)
+        self.__dict__.update(_dit=dit, _backend=backend, _placed=placed, component=name, padding=padding, calls=0,
+                             _sp=sp)
 
     # --- what the Wan pipelines read ------------------------------------------------------
     @property
@@ -101,9 +104,11 @@ class ShardedTransformer(torch.nn.Module):
         every forward on this backend too (``wan_sharding.caching``). Raises what diffusers raises
         (a cache already enabled, an unsupported config) and ``ValueError`` for a config that hooks
         no module of a Wan DiT."""
-        from ..caching import enable_model_cache
+        from ..caching import enable_model_cache, zero_padding_rows
 
-        enable_model_cache(self.dit, config, runner=self._backend.cache_unit_runner(self.dit, self._placed))
+        sp = self.__dict__.get("_sp")
+        enable_model_cache(self.dit, config, runner=self._backend.cache_unit_runner(self.dit, self._placed),
+                           post=zero_padding_rows(sp.state) if sp is not None else None)
 
     def disable_cache(self) -> None:
         """diffusers' ``disable_cache`` on the real model."""
@@ -157,7 +162,7 @@ class ShardedTransformer(torch.nn.Module):
             self.enable_cache(config)
 
     def _release(self) -> None:
-        self.__dict__.update(_dit=None, _placed=None)
+        self.__dict__.update(_dit=None, _placed=None, _sp=None)
 
     # --- copying: refused (a copy would share the original's device weights and SP hooks) ---
     def __deepcopy__(self, memo: dict) -> Any:
@@ -199,6 +204,7 @@ class PipelineHandle:
     padding: str
     experts: list[ShardedExpert] = field(default_factory=list)
     removed: bool = False
+    plan: Any = None  # the ShardingPlan applied, if any
 
     @property
     def mesh(self) -> MeshSpec:
@@ -249,6 +255,7 @@ class PipelineHandle:
         return {
             "backend": self.backend.name, "mesh": self.mesh.name, "sp": self.mesh.sp, "tp": self.mesh.tp,
             "padding": self.padding, "pipeline": type(self.pipe).__name__,
+            "plan": None if self.plan is None else self.plan.name,
             "experts": {
                 e.name: {"params": e.specs.counts(), "forwards": e.wrapper.calls if e.wrapper is not None else 0,
                          **({k: v for k, v in e.sp.describe().items() if k in ("sp_points", "last_tokens",
@@ -257,6 +264,59 @@ class PipelineHandle:
                 for e in self.experts
             },
         }
+
+
+    def placed_weight_bytes(self) -> dict[str, list[int]]:
+        """Per expert, the bytes of its parameters each device holds, read from the backend's
+        placed arrays (what is really on the devices, FSDP and TP splits included)."""
+        return {e.name: self.backend.placed_weight_bytes(e.dit, e.wrapper._placed) for e in self.experts
+                if e.wrapper is not None and e.wrapper._dit is not None}
+
+
+def _load_plan(plan: Any) -> Any:
+    """``None``, a ShardingPlan, or the path of one, as a ShardingPlan."""
+    from ..plan import PlanError, ShardingPlan
+
+    if plan is None or isinstance(plan, ShardingPlan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        try:
+            return ShardingPlan.load(plan)
+        except PlanError as e:  # unreadable, not JSON, or a bad field: one line, nothing changed
+            raise ShardingError(f"{e}; pass a file `wan-sharding plan --write` wrote") from None
+    raise ShardingError(f"plan must be a ShardingPlan or the path of one, got {type(plan).__name__}")
+
+
+def _plan_mesh_and_padding(plan: Any, mesh: Any, padding: str | None) -> tuple[Any, str]:
+    """The mesh and padding to use: the arguments, or the plan's, which they must not contradict."""
+    if plan is None:
+        if mesh is None:
+            raise ShardingError("shard_pipeline needs a mesh (a preset such as '2x4') or a plan")
+        return mesh, DEFAULT_PADDING if padding is None else padding
+    if padding is not None and padding != plan.padding:
+        raise ShardingError(f"padding={padding!r} contradicts the plan's padding {plan.padding!r}; "
+                            "leave padding out to use the plan's")
+    if mesh is not None:
+        from ..mesh import as_mesh_spec
+
+        given, wanted = as_mesh_spec(mesh), plan.mesh()
+        if given.shape != wanted.shape or (not isinstance(mesh, (str, MeshSpec)) and given.axis_names != wanted.axis_names) \
+                or (isinstance(mesh, (str, MeshSpec)) and given != wanted):
+            raise ShardingError(f"mesh {given.name} (axes {given.axis_names}) contradicts the plan's mesh "
+                                f"{wanted.name} {plan.name!r}; leave mesh out to use the plan's")
+    return mesh, plan.padding
+
+
+def _backend_for(backend: str | Backend, mesh: Any, plan: Any) -> Backend:
+    """The backend on ``mesh``; with a plan, on the plan's mesh and roles (over the devices of
+    ``mesh`` when that is the backend's own mesh)."""
+    if isinstance(backend, Backend) and plan is not None and backend.mesh != plan.mesh():
+        raise ShardingError(f"backend {backend!r} has mesh roles {backend.mesh.roles} but the plan {plan.name!r} "
+                            f"needs {plan.mesh().roles}; pass the backend's name instead")
+    if plan is None:
+        return get_backend(backend, mesh)
+    return get_backend(backend, mesh if mesh is not None and not isinstance(mesh, (str, MeshSpec)) else plan.mesh(),
+                       spec=plan.mesh())
 
 
 def _is_wan_pipeline(pipe: Any) -> bool:
@@ -301,9 +361,9 @@ def _model_device(dit: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
-                   padding: str = DEFAULT_PADDING, keep_host_weights: bool = True,
-                   patches: Sequence[str] = ()) -> PipelineHandle:
+def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
+                   padding: str | None = None, keep_host_weights: bool = True,
+                   patches: Sequence[str] = (), plan: "ShardingPlan | str | Path | None" = None) -> PipelineHandle:
     """Shard every expert of a diffusers Wan 2.2 pipeline over ``mesh``; the pipeline is then
     called as usual (``pipe(...)``) and runs each DiT forward on the mesh.
 
@@ -311,10 +371,12 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
         pipe: a ``WanPipeline`` (T2V-A14B, TI2V-5B) or ``WanImageToVideoPipeline`` (I2V-A14B).
             ``transformer`` and ``transformer_2`` are sharded when present (``None`` is skipped).
         mesh: a preset name (``"1x4"``, ``"2x4"``, ``"8x4"``), a :class:`MeshSpec`, or the
-            backend's own mesh.
+            backend's own mesh. With ``plan``: omit it (the plan's mesh), or pass the backend's own
+            mesh with the plan's shape and axis names (to choose the devices).
         backend: ``"jax"`` (torchax, the default), ``"xla"`` (torch-xla SPMD), ``"tt"``, or a
             :class:`~wan_sharding.backends.Backend` instance bound to ``mesh``.
-        padding: ``"slice"``, ``"mask"`` or ``"none"`` (see :func:`apply_dit_sp_activation_sharding`).
+        padding: ``"slice"``, ``"mask"`` or ``"none"`` (see :func:`apply_dit_sp_activation_sharding`);
+            default: the plan's, else ``"mask"``.
         keep_host_weights: for backends that move the model to their device (``xla``, ``tt``):
             keep the original host parameter objects, so ``remove()`` puts exactly those back (no
             device-to-host copy). ``False`` frees them while sharded (host memory: one copy of each
@@ -322,6 +384,9 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
             ``jax`` backend never moves the torch model.
         patches: model rewrites (``wan_sharding.patches``, e.g. ``("rope", "qkv")``) applied to
             every expert before it is sharded; ``remove()`` undoes them too.
+        plan: a :class:`~wan_sharding.plan.ShardingPlan` or the path of one (``wan-sharding plan
+            --write``): its mesh and axis roles, FSDP, activation layout and padding are applied to
+            every expert. An explicit ``mesh`` or ``padding`` that contradicts it is an error.
 
     Returns:
         A :class:`PipelineHandle`; ``handle.remove()`` (or leaving a ``with`` block) restores the
@@ -344,6 +409,8 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
             f"this {type(pipe).__name__} is already sharded (on {live.mesh.name}); call handle.remove() "
             "on the first handle before sharding it again"
         )
+    plan = _load_plan(plan)
+    mesh, padding = _plan_mesh_and_padding(plan, mesh, padding)
     if padding not in PADDING_NAMES:
         raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_NAMES)}")
 
@@ -362,7 +429,7 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
                 f"pipe.{name} already carries sequence-parallel hooks (is it shared with another sharded pipeline, or "
                 "was apply_dit_sp_activation_sharding called on it?); remove those first"
             )
-    be = get_backend(backend, mesh)  # the stack and the device count, checked before any change
+    be = _backend_for(backend, mesh, plan)  # the stack and the device count, checked before any change
     rewrites: dict[int, Any] = {}
     unique: dict[int, ShardSpecs] = {}
     try:
@@ -372,14 +439,14 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
                     from ..patches import apply_patches
 
                     rewrites[id(dit)] = apply_patches(dit, patches, mesh=be.mesh)
-                unique[id(dit)] = shard_dit_specs(dit, be.mesh)
+                unique[id(dit)] = shard_dit_specs(dit, plan if plan is not None else be.mesh)
     except BaseException:
         for h in rewrites.values():
             h.remove()
         raise
 
     _warn_if_torch_xla_in_jax_process(pipe, be)
-    handle = PipelineHandle(pipe, be, padding)
+    handle = PipelineHandle(pipe, be, padding, plan=plan)
     done: dict[int, ShardedExpert] = {}
     try:
         for name, dit in found:
@@ -398,8 +465,8 @@ def shard_pipeline(pipe: Any, mesh: Any, backend: str | Backend = "jax",
                 expert.moved = _model_device(dit) != expert.original_device
                 if not expert.moved:
                     expert.host_tensors = None  # nothing to put back (jax: the model stays where it is)
-                expert.sp = apply_dit_sp_activation_sharding(dit, be.mesh, backend=be, padding=padding)
-                expert.wrapper = ShardedTransformer(dit, be, placed, name, padding)
+                expert.sp = apply_dit_sp_activation_sharding(dit, be.mesh, backend=be, padding=padding, plan=plan)
+                expert.wrapper = ShardedTransformer(dit, be, placed, name, padding, sp=expert.sp)
                 if dit.is_cache_enabled:  # a cache enabled before sharding acts on the mesh too
                     expert.wrapper._adopt_cache()
                 done[id(dit)] = expert
@@ -455,10 +522,10 @@ def sharded_handle(pipe: Any) -> PipelineHandle | None:
 
 
 @contextlib.contextmanager
-def sharded(pipe: Any, mesh: Any, backend: str | Backend = "jax", padding: str = DEFAULT_PADDING
-            ) -> Iterator[PipelineHandle]:
+def sharded(pipe: Any, mesh: Any = None, backend: str | Backend = "jax", padding: str | None = None,
+            plan: Any = None) -> Iterator[PipelineHandle]:
     """``with sharded(pipe, "2x4"): pipe(...)``: shard for the block, restore after."""
-    handle = shard_pipeline(pipe, mesh, backend=backend, padding=padding)
+    handle = shard_pipeline(pipe, mesh, backend=backend, padding=padding, plan=plan)
     try:
         yield handle
     finally:

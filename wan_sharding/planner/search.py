@@ -127,13 +127,19 @@ def _meta_dit(variant: str) -> Any:
     return build_dit(variant, "full", device="meta", dtype=torch.bfloat16)
 
 
-@lru_cache(maxsize=4096)
-def weight_bytes_per_expert(variant: str, plan: ShardingPlan) -> float:
-    """One expert's weight bytes per chip in bf16 under ``plan``: ``shard_dit_specs`` on the meta
-    model (~30 ms). Raises ``ShardingError`` (a ``ValueError``) when the specs refuse the plan."""
+def predicted_weight_bytes(dit: Any, plan: ShardingPlan, dtype_bytes: int | None = None) -> int:
+    """What the planner counts for one expert's weights per chip under ``plan``: the specs'
+    ``bytes_per_device`` (``dtype_bytes`` overrides the parameters' element size). Raises
+    ``ShardingError`` (a ``ValueError``) when the specs refuse the plan."""
     from ..specs import shard_dit_specs
 
-    return float(shard_dit_specs(_meta_dit(variant), plan).bytes_per_device(BF16))
+    return shard_dit_specs(dit, plan).bytes_per_device(dtype_bytes)
+
+
+@lru_cache(maxsize=4096)
+def weight_bytes_per_expert(variant: str, plan: ShardingPlan) -> float:
+    """One expert's weight bytes per chip in bf16 under ``plan``, on the meta model (~30 ms)."""
+    return float(predicted_weight_bytes(_meta_dit(variant), plan, BF16))
 
 
 def candidate_fabric(fabric: Fabric, c: Candidate) -> Fabric:
@@ -169,7 +175,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                   resolution: str | None = "480p", latent: Sequence[int] | None = None, *, top: int = 6,
                   compile: bool = True, attention: str = "fused", topology: str = "machine",
                   work_dir: str | Path | None = None, timeout: float = 900.0, max_rounds: int = 3,
-                  keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = True,
+                  keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = False,
                   progress: Callable[[str], None] | None = None) -> PlanReport:
     """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
 
@@ -189,7 +195,8 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         keep: restrict the search to the plans this accepts (e.g. ``lambda p: p.padding == "mask"``).
         cfg_split: also rank CFG splits (cond and uncond forwards at once on the two halves of an
             axis; :mod:`~wan_sharding.planner.candidates`). Times are then per forward, i.e. half a
-            denoising step, for every plan.
+            denoising step, for every plan. Off by default: a what-if, since ``shard_pipeline`` runs
+            the two forwards one after the other on the whole mesh and cannot run such a plan.
         progress: called with a line of text at each step.
 
     Returns:
