@@ -21,6 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from diffusers import WanTransformer3DModel  # noqa: F401  (imported before a stand-in replaces torch_xla)
+from diffusers.hooks import FirstBlockCacheConfig  # noqa: F401  (likewise: the cache hooks' modules)
 
 from wan_sharding import apply_dit_sp_activation_sharding
 from wan_sharding.backends import tt as tt_module
@@ -53,7 +55,7 @@ def tt_recorder(monkeypatch):
 
 
 @pytest.mark.parametrize("padding", ["slice", "mask"])
-def test_tt_backend_sends_the_double_constraint_and_the_exit_gather(tt_recorder, padding):
+def test_tt_backend_sends_the_double_constraint_and_the_exit_gather(tt_recorder, tt_stand_ins, padding):
     mesh = mesh_from_preset("2x4")
     # A torch-xla Mesh needs Tenstorrent devices; the constraint call only reads its axis names.
     backend = TTBackend(mesh, native_mesh=SimpleNamespace(mesh_shape=(2, 4), axis_names=("sp", "tp")))
@@ -201,3 +203,30 @@ def test_tt_backend_on_stock_torch_xla_says_it_is_not_tenstorrents_build(tt_stan
 
     with pytest.raises(BackendError, match="stock torch-xla.*Tenstorrent's package index"), torch.no_grad():
         _tt_backend().run(build_dit("t2v-a14b"), None, **dit_inputs("t2v-a14b", LatentShape(3, 10, 14)))
+
+
+def test_tt_backend_runs_a_cached_forward_lazily_not_through_torch_compile(tt_stand_ins):
+    """A cache's decisions must run at every forward: with a cache on, the tt backend runs the
+    model as torch-xla's lazy tensors (stand-in: eagerly on the CPU), never the whole-forward
+    ``torch.compile``, and the cache skips exactly as on the unsharded model."""
+    from wan_sharding.caching import install_probe, wan_cache_config
+    from wan_sharding.pipeline import ShardedTransformer
+
+    backend = _tt_backend()
+    dit, reference_dit = build_dit("t2v-a14b"), build_dit("t2v-a14b")
+    inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding="mask")
+    model = ShardedTransformer(dit, backend, None, "transformer", "mask", sp=sp)
+    model.enable_cache(wan_cache_config("fbc", 3, threshold=1e9))  # skips whenever it can
+    reference = install_probe(reference_dit, wan_cache_config("fbc", 3, threshold=1e9))
+    with torch.no_grad():
+        for i in range(3):
+            with model.cache_context("cond", step_index=i), reference_dit.cache_context("cond", step_index=i):
+                out = model(**inputs, return_dict=False)[0]
+                ref = reference_dit(**inputs, return_dict=False)[0]
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert tt_stand_ins.compiles == []
+    assert model.cache_stats.decisions == reference.stats.decisions
+    assert model.cache_stats.computed == {"blocks.0": 3, "blocks.1": 1}
+    model.disable_cache()
+    sp.remove()

@@ -62,7 +62,7 @@ class _Hook(RefusesCopy):
 def _check_on_device(be: Backend, x: torch.Tensor) -> None:
     """A backend that runs on its device (torch-xla, tt) needs the forward's tensors there; a plain
     eager call of the hooked model on host tensors gets a clear error instead of torch-xla's."""
-    if getattr(be, "uses_torch_xla", False) and x.device.type != "xla":
+    if getattr(be, "uses_torch_xla", False) and x.device.type != be.device.type:
         raise ShardingError(
             f"this model has SP hooks for the {be.name} backend but ran eagerly on {x.device.type} tensors; run it with "
             f"backend.run(dit, backend.place(dit, specs), **inputs) (or through shard_pipeline's ShardedTransformer), "
