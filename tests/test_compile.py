@@ -193,9 +193,9 @@ def test_compile_command_rejects_bad_arguments(capsys: pytest.CaptureFixture[str
     args = _parse(["compile", "--mesh", "3x3"])
     assert args.func(args) == EXIT_ERROR
     assert "unknown mesh '3x3'" in capsys.readouterr().err
-    args = _parse(["compile", "--latent", "21,61,104"])
-    assert args.func(args) == EXIT_ERROR
-    assert "patch size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a bad latent is an argparse usage error (exit 2)
+        _parse(["compile", "--latent", "21,61,104"])
+    assert exit_info.value.code == 2 and "patch size" in capsys.readouterr().err
     with pytest.raises(CompileError, match="unknown arch"):
         compile_many([_proxy("1x4", 1)], arch="grayskull")
 

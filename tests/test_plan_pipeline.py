@@ -23,6 +23,7 @@ from wan_sharding.plan import ShardingPlan
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 SYSTEMS = [("2x4", "wormhole_b0"), ("2x4", "blackhole"), ("8x4", "wormhole_b0"), ("8x4", "blackhole")]
 MAX_ABS = 1e-4  # fp32 final latents; observed ~3e-6
+VARIANTS = ("i2v-a14b", "ti2v-5b")
 BYTES_TOLERANCE = 0.01  # placed vs planner-counted weights per device; observed equal
 
 
@@ -41,6 +42,8 @@ def runs() -> dict[str, Future]:
         by_devices.setdefault(plan.mesh().num_devices, []).append(plan)
     pool = ThreadPoolExecutor(max_workers=2)
     futures = {"jax": pool.submit(plans_compare_in_subprocess, "jax", list(PLANS.values()))}
+    for variant in VARIANTS:  # every pipeline: I2V-A14B (WanImageToVideoPipeline), TI2V-5B (one expert)
+        futures[variant] = pool.submit(plans_compare_in_subprocess, "jax", [PLANS["2x4-wormhole_b0"]], variant)
     for n, plans in by_devices.items():
         futures[f"xla-{n}"] = pool.submit(plans_compare_in_subprocess, "xla", plans)
     yield futures
@@ -65,6 +68,16 @@ def test_recommended_plan_runs_the_pipeline_exactly(runs, backend, system):
     for expert, m in r["memory"].items():
         assert abs(m["placed_max"] / m["predicted"] - 1) <= BYTES_TOLERANCE, (expert, m)
         assert m["placed_min"] <= m["placed_max"] < m["unsharded"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_plan_shards_every_pipeline(runs, variant):
+    plan = PLANS["2x4-wormhole_b0"]
+    (r,) = runs[variant].result()
+    assert r["max_abs"] <= MAX_ABS and r["restored"], r
+    assert len(r["memory"]) == (1 if variant == "ti2v-5b" else 2)
+    assert all(m["placed_max"] == m["predicted"] for m in r["memory"].values()), r["memory"]
+    assert plan.fsdp and all(m["placed_max"] < m["unsharded"] / 4 for m in r["memory"].values())
 
 
 def test_plan_contradictions_are_usage_errors(tmp_path):

@@ -22,10 +22,9 @@ from ..compile import (EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, compil
 from ..mesh import PRESETS, MeshError, mesh_from_preset
 from ..compile.request import FRONTENDS
 from ..models import RESOLUTIONS, VARIANTS
-from ..options import DEFAULT_PADDING
 from ..workers import atomic_write
-from .args import add_dtype, add_padding, add_patches
-from .validate import latent, output_dir, output_file, positive_float, positive_int
+from .args import add_dtype, add_padding, add_patches, add_plan
+from .validate import apply_plan, latent, output_dir, output_file, positive_float, positive_int
 
 
 def _cmd_sysdesc(args: argparse.Namespace) -> int:
@@ -58,6 +57,7 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
+    apply_plan(args, "8x4")
     if args.out:
         output_dir(args.out, "--out")
     t0 = time.perf_counter()
@@ -65,13 +65,15 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         latent = latent_for(args.resolution, args.latent)
         out = Path(args.out) if args.out else None
         blocks = args.blocks
-        req = CompileRequest(
-            variant=args.variant, mesh=args.mesh, latent=latent, blocks=blocks, size=args.size,
-            padding=args.padding, anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
+        fields = dict(
+            variant=args.variant, latent=latent, blocks=blocks, size=args.size,
+            anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
             frontend=args.frontend, fused_sdpa=not args.no_fused_sdpa, patches=tuple(args.patches),
             resolution=args.resolution if args.latent is None else None,
             out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
-        ).validate()
+        )
+        req = (CompileRequest.for_plan(args.plan, **fields) if args.plan is not None
+               else CompileRequest(mesh=args.mesh, padding=args.padding, **fields)).validate()
         report = compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
     except (CompileError, ValueError) as e:
         if args.json:
@@ -109,14 +111,15 @@ def add_subcommands(sub: Any) -> None:
         description="Compile the sharded Wan DiT through tt-mlir without hardware, print the TTNN op "
                     "histogram and the per-block collective bill, and check the bill against the design "
                     "and the per-device token dims for tile alignment. Exit 1 when a check fails.")
-    c.add_argument("--mesh", default="8x4", help=f"mesh preset: {', '.join(PRESETS)} (default 8x4)")
+    c.add_argument("--mesh", default=None, help=f"mesh preset: {', '.join(PRESETS)} (default 8x4, or the plan's)")
+    add_plan(c)
     c.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
     c.add_argument("--latent", default=None, type=latent, help="latent F,H,W instead of a resolution, e.g. 21,60,104")
     c.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
     c.add_argument("--blocks", type=positive_int, default=None, help="transformer blocks (default: all of the variant's)")
     c.add_argument("--size", choices=["full", "tiny"], default="full", help="real widths or the tiny test config")
     c.add_argument("--arch", choices=archs, default="wormhole_b0")
-    add_padding(c, DEFAULT_PADDING)
+    add_padding(c, None)
     add_dtype(c, "bf16")
     c.add_argument("--batch", type=positive_int, default=1)
     c.add_argument("--frontend", choices=list(FRONTENDS), default="torchax",

@@ -99,6 +99,11 @@ class ShardedTransformer(torch.nn.Module):
     def is_cache_enabled(self) -> bool:
         return self.dit.is_cache_enabled
 
+    @property
+    def _cache_config(self) -> Any:
+        """The enabled cache's config (diffusers' ``CacheMixin`` attribute), or ``None``."""
+        return self.dit._cache_config
+
     def enable_cache(self, config: Any) -> None:
         """diffusers' ``enable_cache`` on the real model, so that its decisions run on the host at
         every forward on this backend too (``wan_sharding.caching``). Raises what diffusers raises
