@@ -167,3 +167,19 @@ def test_profile_cache_needs_steps():
     proc = subprocess.run([sys.executable, "-m", "wan_sharding.cli", "profile", "--what", "dit", "--cache", "fbc"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--what step" in proc.stderr
+
+
+def test_a_cache_the_backend_cannot_run_is_refused_before_anything_changes():
+    from diffusers.hooks import SeaCacheConfig
+
+    from wan_sharding import get_backend, shard_dit_specs
+    from wan_sharding.pipeline import ShardedTransformer
+    from wan_sharding.specs import ShardingError
+
+    dit = _dit()
+    backend = get_backend("jax", "2x4")  # this pytest process runs JAX on 8 CPU devices
+    model = ShardedTransformer(dit, backend, backend.place(dit, shard_dit_specs(dit, backend.mesh)), "transformer",
+                               "mask")
+    with pytest.raises(ShardingError, match="torchax cannot lower"):
+        model.enable_cache(SeaCacheConfig())
+    assert not dit.is_cache_enabled and not hasattr(dit.blocks[0], "_diffusers_hook")

@@ -71,6 +71,11 @@ class Backend(abc.ABC):
         (``xla``: lazy tensors) need nothing more than :meth:`run_device`."""
         return self.run_device(dit, placed, *args, **kwargs)
 
+    def cache_refusal(self, config: Any) -> str | None:
+        """Why this backend cannot honour the diffusers cache ``config`` (one line with the fix), or
+        ``None`` when it can."""
+        return None
+
     def cache_unit_runner(self, dit: torch.nn.Module, placed: Any) -> Any:
         """For a backend that compiles whole forwards: how to run one piece between a cache's
         decisions compiled (``wan_sharding.caching.probes.UnitRunner``); ``None``: no pieces."""

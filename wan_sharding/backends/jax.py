@@ -207,6 +207,14 @@ class JaxBackend(Backend):
             out = torch.func.functional_call(dit, state, targs, {**tkwargs, "return_dict": False})[0]
         return env.t2j_iso(out)
 
+    def cache_refusal(self, config: Any) -> str | None:
+        """SeaCache's indicators use ``torch.fft`` ops (``aten::fft_fftfreq``) that torchax cannot
+        lower; the cache would fail on its first forward."""
+        if type(config).__name__ == "SeaCacheConfig":
+            return ("SeaCache computes torch.fft ops (aten::fft_fftfreq) that torchax cannot lower, so the jax backend "
+                    "cannot run it; use the xla backend for SeaCache, or fbc / mag / taylorseer / pab on jax")
+        return None
+
     def cache_unit_runner(self, dit: torch.nn.Module, placed: dict[str, Any]):
         """Runs one piece (a module's own forward) as a ``jax.jit`` of its weights and tensor
         inputs, compiled once per piece and signature; non-tensor inputs are part of the key."""

@@ -107,10 +107,13 @@ class ShardedTransformer(torch.nn.Module):
     def enable_cache(self, config: Any) -> None:
         """diffusers' ``enable_cache`` on the real model, so that its decisions run on the host at
         every forward on this backend too (``wan_sharding.caching``). Raises what diffusers raises
-        (a cache already enabled, an unsupported config) and ``ValueError`` for a config that hooks
-        no module of a Wan DiT."""
+        (a cache already enabled, an unsupported config), ``ValueError`` for a config that hooks
+        no module of a Wan DiT, and ``ShardingError`` for a cache this backend cannot run."""
         from ..caching import enable_model_cache, zero_padding_rows
 
+        refusal = self._backend.cache_refusal(config)
+        if refusal is not None:
+            raise ShardingError(refusal)
         sp = self.__dict__.get("_sp")
         enable_model_cache(self.dit, config, runner=self._backend.cache_unit_runner(self.dit, self._placed),
                            post=zero_padding_rows(sp.state) if sp is not None else None)
