@@ -113,9 +113,10 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
 
     current: dict[str, Any] = {}
 
-    def denoise(times: list[float] | None = None, marks: list | None = None) -> None:
+    def denoise(times: list[float] | None = None, marks: list | None = None) -> torch.Tensor:
         """One denoising loop of ``n`` steps as the Wan pipelines run it (cond + uncond in their
-        cache contexts, CFG, scheduler step); with ``times``, each step's seconds."""
+        cache contexts, CFG, scheduler step); with ``times``, each step's seconds. Returns the
+        final latents."""
         scheduler = flow_scheduler()
         scheduler.set_timesteps(n)
         latents = inputs["hidden_states"].float()
@@ -135,10 +136,14 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             latents = scheduler.step(noise, step_t, latents, return_dict=False)[0]
             if times is not None:
                 times.append(time.perf_counter() - t)
+        return latents
 
     cache = p.get("cache") or "none"
+    uncached = None
     if cache != "none":  # a step cache on the expert, as `generate --cache` sets it (wan_sharding.caching)
         from ..caching import calibrate_mag_ratios, wan_cache_config
+
+        uncached = denoise() if "step" in p["what"] else None  # the drift is measured against it
 
         ratios = calibrate_mag_ratios({"transformer": (dit, n)}, denoise)["transformer"] if cache == "mag" else None
         model.enable_cache(wan_cache_config(cache, n, dtype=dtype, timestep=lambda: current["t"], mag_ratios=ratios))
@@ -155,7 +160,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
                 forward(inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"])
                 times.append(time.perf_counter() - t)
         else:  # one denoising step as the Wan pipelines do it
-            denoise(times, marks)
+            final = denoise(times, marks)
         marks.append(_cpu_snapshot())
         timed = times[p["warmup"]:]
         described = sp.describe() if sp is not None else {}
@@ -176,7 +181,10 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             "host_cpus": os.cpu_count(), "cache": cache,
         }
         if what == "step" and model.cache_stats is not None:
+            from .pcc import compare
+
             r["cache_stats"] = model.cache_stats.summary()
+            r["drift_pcc"], r["drift_max_abs"] = compare(uncached, final)  # vs the same loop uncached
             model.cache_stats.reset()
         results.append(r)
         if timed:
@@ -184,8 +192,8 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
                   f"{' -> ' + str(r['padded_tokens']) if r['padded_tokens'] != r['tokens'] else ''}: "
                   f"first (compile + run) {r['first_iter_s']:.3f} s, warm median {r['median_s']:.4f} s "
                   f"(min {r['min_s']:.4f}, max {r['max_s']:.4f}) over {p['iters']}"
-                  + (f"; cache {cache}: {r['cache_stats']['computed']}/{r['cache_stats']['calls']} computed"
-                     if "cache_stats" in r else ""), flush=True)
+                  + (f"; cache {cache}: {r['cache_stats']['computed']}/{r['cache_stats']['calls']} computed, "
+                     f"drift vs uncached max|diff| {r['drift_max_abs']:.2e}" if "cache_stats" in r else ""), flush=True)
     if model.is_cache_enabled:
         model.disable_cache()
     if sp is not None:
