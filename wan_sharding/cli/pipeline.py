@@ -40,15 +40,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    if args.plan is not None and args.mesh == UNSHARDED:
-        print("wan-sharding profile: error: --mesh unsharded is the one-device baseline; leave it out with --plan",
-              file=sys.stderr)
-        return 2
+    check_profile(args)  # before apply_plan: it refuses --plan with --mesh unsharded
     apply_plan(args, "2x4")
-    check_profile(args)
-    if args.cache != "none" and "dit" in args.what:
-        print("wan-sharding profile: error: --cache acts across denoising steps; use it with --what step", file=sys.stderr)
-        return 2
     if stack_missing([args.backend]):
         return 1
     run = run_profile(_params(args), echo=not args.json)

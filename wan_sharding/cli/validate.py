@@ -238,9 +238,10 @@ def plan_file(text: str) -> Any:
 
 def _roles_by_position(spec: Any) -> tuple:
     """(shape, positions of the SP axes, positions of the TP axes) of a MeshSpec."""
+    from ..mesh import _axes
+
     def positions(role: Any) -> tuple:
-        axes = () if role is None else (role,) if isinstance(role, str) else tuple(role)
-        return tuple(sorted(spec.axis_names.index(a) for a in axes))
+        return tuple(sorted(spec.axis_names.index(a) for a in _axes(role)))
 
     return tuple(spec.shape), positions(spec.sp_axis), positions(spec.tp_axis)
 
@@ -297,10 +298,16 @@ def check_generate(args: argparse.Namespace) -> None:
 
 
 def check_profile(args: argparse.Namespace) -> None:
-    """``profile``: at least one warm-up (the first iteration compiles and is never timed) and one
-    timed iteration; a latent the tiny DiT can take."""
+    """``profile``: no ``--plan`` with the unsharded baseline, ``--cache`` only with denoising steps,
+    at least one warm-up (the first iteration compiles and is never timed) and one timed iteration;
+    a latent the tiny DiT can take."""
+    from ..jobs.launch import UNSHARDED
     from ..models import config_for
 
+    if getattr(args, "plan", None) is not None and args.mesh == UNSHARDED:
+        raise UsageError(f"--mesh {UNSHARDED} is the one-device baseline; leave it out with --plan")
+    if getattr(args, "cache", "none") != "none" and "dit" in args.what:
+        raise UsageError("--cache acts across denoising steps; use it with --what step")
     _option("--iters", positive_int, args.iters)
     if args.warmup < 1:
         raise UsageError(f"--warmup {args.warmup}: must be >= 1 (the first iteration compiles, so it is a warm-up "

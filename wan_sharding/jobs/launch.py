@@ -78,32 +78,29 @@ def prepare_worker(backend: str) -> None:
         diffusers_without_torch_xla()
 
 
+def _jax_subset_mesh(backend: str, shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Any:
+    """For JAX in a process with more devices than ``shape`` needs: a JAX mesh over the first ones
+    (so one process can try several meshes); else ``None``."""
+    if backend != "jax":
+        return None
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    n = int(np.prod(shape))
+    return Mesh(np.array(devices[:n]).reshape(shape), axis_names) if len(devices) > n else None
+
+
 def plan_mesh_arg(backend: str, plan: Any) -> Any:
     """The mesh argument for ``shard_pipeline(..., plan=plan)`` in a worker: ``None`` (the plan's
-    own), or (JAX, when the process has more devices) a JAX mesh with the plan's axis names over
-    the first devices."""
-    if backend == "jax":
-        import jax
-        import numpy as np
-        from jax.sharding import Mesh
-
-        devices = jax.devices()
-        n = int(np.prod(plan.mesh_shape))
-        if len(devices) > n:
-            return Mesh(np.array(devices[:n]).reshape(plan.mesh_shape), plan.axis_names)
-    return None
+    own), or a JAX mesh with the plan's axis names over the first devices (see ``mesh_arg``)."""
+    return _jax_subset_mesh(backend, tuple(plan.mesh_shape), tuple(plan.axis_names))
 
 
 def mesh_arg(backend: str, name: str) -> Any:
     """The mesh to shard on: the preset name, or (JAX, when the process has more devices) a JAX
     mesh over the first devices, so one process can try several meshes."""
     spec = mesh_from_preset(name)
-    if backend == "jax":
-        import jax
-        import numpy as np
-        from jax.sharding import Mesh
-
-        devices = jax.devices()
-        if len(devices) > spec.num_devices:
-            return Mesh(np.array(devices[: spec.num_devices]).reshape(spec.shape), spec.axis_names)
-    return name
+    subset = _jax_subset_mesh(backend, spec.shape, spec.axis_names)
+    return name if subset is None else subset

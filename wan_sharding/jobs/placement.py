@@ -16,8 +16,6 @@ from typing import Any
 from ..workers import WorkerError, run_worker, worker_main
 from .launch import plan_devices, stall_seconds, worker_env
 
-BF16 = 2
-
 
 def verify_in_subprocess(plan: Any, variant: str, timeout: float = 600) -> dict[str, Any]:
     """Per-device weight bytes of ``plan`` placed on the full-size ``variant`` (both experts of an
@@ -37,7 +35,7 @@ def _verify(p: dict[str, Any]) -> list[dict[str, Any]]:
     from ..models import build_dit
     from ..plan import ShardingPlan
     from ..planner.search import predicted_weight_bytes
-    from ..planner.workload import EXPERTS
+    from ..planner.workload import BF16, EXPERTS
     from ..specs import shard_dit_specs
     from .launch import prepare_worker
 

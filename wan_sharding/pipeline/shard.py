@@ -160,8 +160,8 @@ class ShardedTransformer(torch.nn.Module):
         from ..caching import model_cache_probe
 
         probe = model_cache_probe(self.dit)
-        wanted = self._backend.cache_unit_runner(self.dit, self._placed) is not None
-        if probe is None or (wanted and not probe.units):
+        # A backend that traces whole forwards needs the compiled pieces (cache_unit_runner).
+        if probe is None or (self._backend.traces_whole_forward and not probe.units):
             config = self.dit._cache_config
             if probe is not None:
                 probe.remove(keep_cache=False)
