@@ -117,7 +117,7 @@ def _with_irs(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 def compile_traced(req: CompileRequest, traced: dict[str, Any]) -> dict[str, Any]:
     """Compile what the torch-xla frontend traced (:mod:`.xla_lowering`: its result for ``req``,
     with the Shardy module's path) on the tt client; worker side only."""
-    from .shardy import compile_stablehlo_text
+    from .tt_client import compile_stablehlo_text
 
     out_dir = Path(req.out_dir or tempfile.mkdtemp(prefix="wan_ir_"))
     result = {k: traced[k] for k in ("stablehlo_path", "trace_seconds", "trace_rss_mb", "sp_points", "tokens",

@@ -15,7 +15,7 @@ does the same with stock torch-xla on CPU virtual devices, in its own worker pro
 3. take the pre-partitioning module (``xm.get_stablehlo``: global shapes, GSPMD shardings),
    convert it to Shardy (:func:`.shardy.gspmd_to_shardy`) and write it next to the IRs.
 
-The compile worker then compiles that text (:func:`.shardy.compile_stablehlo_text`). torch-xla
+The compile worker then compiles that text (:func:`.tt_client.compile_stablehlo_text`). torch-xla
 needs weights in memory (there is no abstract-weight path): they are left uninitialised (values
 do not matter to a compile), but a full-width block still costs ~0.7 GB in bf16 on the host plus
 torch-xla's device copy, so keep full-width traces to a few blocks.

@@ -1,0 +1,168 @@
+"""The stand-in a sharded pipeline holds in place of each expert.
+
+:class:`ShardedTransformer` exposes what the Wan pipelines' denoising loop reads (``config``,
+``dtype``, ``device``, ``cache_context``, the cache API, ``forward``) and runs the forward of the
+real model on the mesh through the backend, with inputs and outputs on the host. The real model is
+a plain attribute, not a submodule, so ``pipe.device`` / ``pipe.to(...)`` never reach the sharded
+weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..activation import SPHandle
+from ..backends import Backend
+from ..mesh import MeshSpec
+from ..specs import ShardingError
+
+__all__ = ["ShardedTransformer"]
+
+
+class ShardedTransformer(torch.nn.Module):
+    """Stands in for one expert of a sharded pipeline; ``forward`` runs the real model on the mesh.
+
+    Inputs are host tensors (as the pipeline makes them); the output comes back to the host, as a
+    tuple with ``return_dict=False`` (what the Wan pipelines ask for) or a
+    ``Transformer2DModelOutput``.
+    """
+
+    def __init__(self, dit: torch.nn.Module, backend: Backend, placed: Any, name: str, padding: str,
+                 sp: SPHandle | None = None):
+        super().__init__()
+        # Plain attributes, not submodules: module traversal (pipe.device, pipe.to, .modules())
+        # must not reach the sharded weights.
+        self.__dict__.update(_dit=dit, _backend=backend, _placed=placed, component=name, padding=padding, calls=0,
+                             _sp=sp)
+
+    # --- what the Wan pipelines read ------------------------------------------------------
+    @property
+    def dit(self) -> torch.nn.Module:
+        """The real (sharded) ``WanTransformer3DModel``."""
+        if self._dit is None:
+            raise ShardingError(
+                f"this sharded {self.component} was removed by handle.remove(); use pipe.{self.component}, "
+                "which is the original model again"
+            )
+        return self._dit
+
+    @property
+    def config(self) -> Any:
+        return self.dit.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dit.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pipeline should keep inputs and outputs: the host."""
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return self._backend.mesh
+
+    # --- diffusers' cache API (CacheMixin), on the real model --------------------------------
+    def cache_context(self, name: str, **kwargs: Any):
+        """The real model's ``cache_context`` (diffusers' cache hooks live on it)."""
+        if self.dit.is_cache_enabled:
+            self._adopt_cache()  # before the context is set: adopting re-creates the hooks
+        return self.dit.cache_context(name, **kwargs)
+
+    @property
+    def is_cache_enabled(self) -> bool:
+        return self.dit.is_cache_enabled
+
+    @property
+    def _cache_config(self) -> Any:
+        """The enabled cache's config (diffusers' ``CacheMixin`` attribute), or ``None``."""
+        return self.dit._cache_config
+
+    def enable_cache(self, config: Any) -> None:
+        """diffusers' ``enable_cache`` on the real model, so that its decisions run on the host at
+        every forward on this backend too (``wan_sharding.caching``). Raises what diffusers raises
+        (a cache already enabled, an unsupported config), ``ValueError`` for a config that hooks
+        no module of a Wan DiT, and ``ShardingError`` for a cache this backend cannot run."""
+        from ..caching import enable_model_cache, zero_padding_rows
+
+        refusal = self._backend.cache_refusal(config)
+        if refusal is not None:
+            raise ShardingError(refusal)
+        sp = self.__dict__.get("_sp")
+        enable_model_cache(self.dit, config, runner=self._backend.cache_unit_runner(self.dit, self._placed),
+                           post=zero_padding_rows(sp.state) if sp is not None else None)
+
+    def disable_cache(self) -> None:
+        """diffusers' ``disable_cache`` on the real model."""
+        from ..caching import disable_model_cache
+
+        disable_model_cache(self.dit)
+
+    def _reset_stateful_cache(self, recurse: bool = True) -> None:
+        self.dit._reset_stateful_cache(recurse=recurse)
+
+    @property
+    def cache_stats(self) -> Any:
+        """The enabled cache's :class:`~wan_sharding.caching.CacheStats` (calls, computed, skipped), or ``None``."""
+        from ..caching import model_cache_stats
+
+        return model_cache_stats(self.dit)
+
+    def forward(self, *args: Any, return_dict: bool = True, **kwargs: Any):
+        dit = self.dit
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if "attention_kwargs" in kwargs and self._backend.traces_whole_forward:
+            raise ShardingError(
+                f"attention_kwargs (a LoRA scale) cannot be passed into the {self._backend.name} backend's compiled "
+                "forward; fuse the LoRA into the weights (pipe.fuse_lora()) before shard_pipeline, or use the xla backend"
+            )
+        if dit.is_cache_enabled:
+            self._adopt_cache()
+            out = self._backend.to_host(self._backend.run_cached_device(dit, self._placed, *args, **kwargs))
+        else:
+            out = self._backend.run(dit, self._placed, *args, **kwargs)
+        self.__dict__["calls"] += 1
+        if not return_dict:
+            return (out,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=out)
+
+    def _adopt_cache(self) -> None:
+        """A cache enabled on the real model directly (or before sharding) gets this backend's probe,
+        so it acts at every forward instead of only while a forward is traced."""
+        from ..caching import model_cache_probe
+
+        probe = model_cache_probe(self.dit)
+        # A backend that traces whole forwards needs the compiled pieces (cache_unit_runner).
+        if probe is None or (self._backend.traces_whole_forward and not probe.units):
+            config = self.dit._cache_config
+            if probe is not None:
+                probe.remove(keep_cache=False)
+            else:
+                self.dit.disable_cache()
+            self.enable_cache(config)
+
+    def _release(self) -> None:
+        self.__dict__.update(_dit=None, _placed=None, _sp=None)
+
+    # --- copying: refused (a copy would share the original's device weights and SP hooks) ---
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise ShardingError(
+            f"a pipeline sharded with shard_pipeline cannot be copied or pickled (its {self.component} runs the "
+            "original's weights on the mesh); call handle.remove() first, copy, then shard_pipeline each copy"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.__deepcopy__({})
+
+    def extra_repr(self) -> str:
+        inner = type(self._dit).__name__ if self._dit is not None else "removed"
+        return f"{self.component}: {inner} on {self._backend.name} {self._backend.mesh.name}, padding={self.padding}"
