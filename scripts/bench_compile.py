@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resolutions", default="480p,720p")
     p.add_argument("--variant", default="t2v-a14b")
     p.add_argument("--blocks", type=int, default=None, help="default: all of the variant's (40)")
-    # slice by default: the table in the README was measured with it (the package's default is mask).
+    # slice by default: the table in docs/compile-only.md was measured with it (the package's default is mask).
     p.add_argument("--padding", default="slice", choices=list(PADDING_NAMES))
     p.add_argument("--arch", default="wormhole_b0", choices=list(sysdesc.ARCHS))
     p.add_argument("--out", default=str(ROOT / "results" / "compile.json"))

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         result["planner_runs"] = {}
         for mesh, arch in (("8x4", "wormhole_b0"), ("8x4", "blackhole"), ("2x4", "wormhole_b0"), ("2x4", "blackhole")):
             t = time.perf_counter()
-            # Whole-mesh plans, as the README's table has them (CFG splits: scripts/bench_galaxies.py).
+            # Whole-mesh plans, as docs/planner.md's table has them (CFG splits: scripts/bench_galaxies.py).
             rep = plan_sharding(mesh, arch, "t2v-a14b", "480p", work_dir=work / f"plan_{mesh}_{arch}",
                                 cfg_split=False)
             data = rep.to_json()

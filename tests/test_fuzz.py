@@ -1,6 +1,6 @@
 """The standing fuzz (scripts/fuzz_sharding.py): what it draws, and a small fixed-seed sample run.
 
-The full run (>= 200 cases, README) is a script; here the generator's reach is checked without a
+The full run (>= 200 cases, docs/check.md) is a script; here the generator's reach is checked without a
 worker, and six cases run sharded vs unsharded on both CPU backends (two workers).
 """
 

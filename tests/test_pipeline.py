@@ -21,7 +21,7 @@ from wan_sharding.jobs.generate import compare_in_subprocess
 from wan_sharding.jobs.launch import worker_env
 
 PCC_MIN = 0.9999  # fp32 pipeline latents after 2 denoising steps
-MAX_ABS = 1e-4  # observed ~3e-6; a padded key leaking into attention is ~1e-3 (README)
+MAX_ABS = 1e-4  # observed ~3e-6; a padded key leaking into attention is ~1e-3 (docs/check.md)
 
 # Runs in an xla worker on 8 CPU devices: refusals, isolation and exact restore, as JSON.
 API_SCRIPT = textwrap.dedent('''

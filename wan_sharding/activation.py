@@ -135,7 +135,7 @@ def apply_dit_sp_activation_sharding(
         padding: how L is padded to a multiple of SP x 32 and attention kept exact: ``"slice"``
             (K/V sliced back in every block), ``"mask"`` (additive key mask built once per
             forward) or ``"none"`` (no padding). Padding is skipped when L is already aligned.
-            Default: the plan's mode, else ``"mask"`` (the cheaper exact mode, see README).
+            Default: the plan's mode, else ``"mask"`` (the cheaper exact mode, see docs/compile-only.md).
         plan: a :class:`~wan_sharding.plan.ShardingPlan`; its mesh roles, padding and activation
             layout apply (``layout="sharded"`` keeps D TP-sharded on every block's output).
         anchor: keep the replicated constraint in front of each L-on-SP split (the tt-mlir

@@ -36,7 +36,7 @@ def torch_dtype(value: Any):
 # (``wan_sharding.attention`` implements each; ``docs/design.md`` says what each costs).
 PADDING_NAMES: tuple[str, ...] = ("mask", "slice", "none")
 # The key mask keeps attention exact with no op per block; K/V slice-back adds two slices to every
-# block (measured: README, "Why mask is the default").
+# block (measured: docs/compile-only.md, "Padding: why `mask` is the default").
 DEFAULT_PADDING = "mask"
 
 

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prog = f"wan-sharding {args.command}"
     try:
-        return args.func(args)
+        return args.func(args)  # each command runs its own checks (args.validate) first
     except KeyboardInterrupt:
         print("wan-sharding: interrupted; its workers were stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -80,10 +80,33 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _validate(args: argparse.Namespace) -> None:
+    """The command's own input checks (``set_defaults(validate=...)``), before any worker starts."""
+    validate = getattr(args, "validate", None)
+    if validate is not None:
+        validate(args)
+
+
+def parse_and_validate(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv`` (without the program name) as ``main`` does and run the command's input
+    checks, without running it: no worker starts and nothing is written.
+
+    Raises:
+        UsageError: what the command would refuse with exit 2 (one line: problem; fix);
+        SystemExit: argparse's own refusal (unknown option, bad choice), also exit 2.
+    """
+    argv = join_negative_values([a for a in argv if a != "--debug"])
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["check", *argv]
+    args = build_parser().parse_args(argv)
+    _validate(args)
+    return args
+
+
 def _report(prog: str, message: str, debug: bool) -> None:
     if debug:
         traceback.print_exc()
     print(f"{prog}: error: {message}", file=sys.stderr)
 
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "UsageError", "build_parser", "main"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "UsageError", "build_parser", "main", "parse_and_validate"]

@@ -18,16 +18,19 @@ from .validate import apply_plan, check_length, check_rope_length
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 
 
-def _check(args: argparse.Namespace) -> int:
+def _validate_check(args: argparse.Namespace) -> None:
     from ..models import config_for
 
     apply_plan(args, list(DEFAULT_MESHES), "--meshes")
-    if args.plan is not None and not args.json:
-        print(f"plan: {args.plan.name}")
-
     for length in args.lengths:
         if length not in CASE_LATENTS:
             check_rope_length(length, config_for(args.variant)["rope_max_seq_len"], "--lengths")
+
+
+def _check(args: argparse.Namespace) -> int:
+    _validate_check(args)
+    if args.plan is not None and not args.json:
+        print(f"plan: {args.plan.name}")
     if stack_missing(args.backends):
         return 1
     cases = [Case(args.variant, length, args.dtype, args.padding, "+".join(args.patches)) for length in args.lengths]
@@ -103,7 +106,7 @@ def add_subcommands(sub: Any) -> None:
     add_padding(check, None)
     add_patches(check)
     check.add_argument("--json", action="store_true")
-    check.set_defaults(func=_check)
+    check.set_defaults(func=_check, validate=_validate_check)
 
     specs = sub.add_parser("specs", help="print the partition spec of every parameter")
     add_mesh(specs, "8x4")

@@ -27,8 +27,12 @@ from .args import add_dtype, add_padding, add_patches, add_plan
 from .validate import apply_plan, latent, output_dir, output_file, positive_float, positive_int
 
 
-def _cmd_sysdesc(args: argparse.Namespace) -> int:
+def _validate_sysdesc(args: argparse.Namespace) -> None:
     output_file(args.output, "-o")
+
+
+def _cmd_sysdesc(args: argparse.Namespace) -> int:
+    _validate_sysdesc(args)
     try:
         mesh = mesh_from_preset(args.mesh)
         path = sysdesc.write_system_descriptor(args.output, args.arch, mesh.num_devices,
@@ -56,10 +60,14 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_compile(args: argparse.Namespace) -> int:
+def _validate_compile(args: argparse.Namespace) -> None:
     apply_plan(args, "8x4")
     if args.out:
         output_dir(args.out, "--out")
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    _validate_compile(args)
     t0 = time.perf_counter()
     try:
         latent = latent_for(args.resolution, args.latent)
@@ -104,7 +112,7 @@ def add_subcommands(sub: Any) -> None:
                    help="ethernet links to list (default none: what compile-only needs; machine: a Galaxy-based "
                         "grid as cabled, fewer links between Galaxies)")
     p.add_argument("-o", "--output", required=True, help="file to write (.ttsys)")
-    p.set_defaults(func=_cmd_sysdesc)
+    p.set_defaults(func=_cmd_sysdesc, validate=_validate_sysdesc)
 
     c = sub.add_parser(
         "compile", help="compile the sharded DiT with tt-mlir (compile-only) and check its collectives",
@@ -135,4 +143,4 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds for both compiles (default 3600)")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     c.add_argument("-v", "--verbose", action="store_true", help="echo the compiler log")
-    c.set_defaults(func=_cmd_compile)
+    c.set_defaults(func=_cmd_compile, validate=_validate_compile)

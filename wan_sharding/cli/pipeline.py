@@ -28,9 +28,18 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _validate_generate(args: argparse.Namespace) -> None:
     apply_plan(args, "2x4")
     check_generate(args)
+
+
+def _validate_profile(args: argparse.Namespace) -> None:
+    check_profile(args)  # before apply_plan: it refuses --plan with --mesh unsharded
+    apply_plan(args, "2x4")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    _validate_generate(args)
     if stack_missing([args.backend]):
         return 1
     run = run_generate(_params(args))
@@ -40,8 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    check_profile(args)  # before apply_plan: it refuses --plan with --mesh unsharded
-    apply_plan(args, "2x4")
+    _validate_profile(args)
     if stack_missing([args.backend]):
         return 1
     run = run_profile(_params(args), echo=not args.json)
@@ -79,7 +87,7 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument("--out", default="results/generate", help="directory for the video and the JSON summary")
     g.add_argument("--compare", action="store_true",
                    help="also run it unsharded with the same seed and print the PCC of the final latents")
-    g.set_defaults(func=_generate)
+    g.set_defaults(func=_generate, validate=_validate_generate)
 
     p = sub.add_parser("profile", help="warm-iteration timing of the sharded DiT or denoising step",
                        description=PROFILE_DOC.split("\n\n")[0])
@@ -100,4 +108,4 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--latent", help="latent shape F,H,W (overrides --resolution)")
     add_dtype(p, "fp32")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_profile)
+    p.set_defaults(func=_profile, validate=_validate_profile)

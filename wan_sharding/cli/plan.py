@@ -34,7 +34,7 @@ from ..workers import atomic_path
 from .validate import UsageError, latent, output_dir, output_file, positive_float, positive_int
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
+def _validate_plan(args: argparse.Namespace) -> None:
     try:
         parse_mesh_shape(args.mesh)
     except MeshError as e:
@@ -43,6 +43,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         output_file(args.write, "--write")
     if args.out:
         output_dir(args.out, "--out")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    _validate_plan(args)
     t0 = time.perf_counter()
     progress = None if args.json or args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     keep = restriction(args.layout, args.padding, None if args.fsdp is None else args.fsdp == "on")
@@ -125,4 +129,4 @@ def add_subcommands(sub: Any) -> None:
                    help="place the recommended plan on the full-size experts (abstract weights, JAX CPU devices) and "
                         "report the bytes per device next to the planner's count")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(func=_cmd_plan)
+    p.set_defaults(func=_cmd_plan, validate=_validate_plan)

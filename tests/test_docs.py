@@ -1,0 +1,156 @@
+"""The README and the docs stay honest: what they quote can be run, and what they name exists.
+
+- Every ``wan-sharding ...`` command line quoted in ``README.md`` and ``docs/*.md`` (in a code
+  block, or as inline code) parses with the CLI's own parser and passes the command's own input
+  checks (:func:`wan_sharding.cli.parse_and_validate`: no worker starts, nothing is written).
+- Every ``docs/...`` and ``results/...`` path they name exists, and so does every relative link.
+- Every topic page is linked from both the README and ``docs/README.md``, and each page starts
+  with what a user runs (a code block before any second-level section).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Pages a user reads for one topic: each linked from the README and from docs/README.md.
+TOPICS = ["check.md", "pipelines.md", "caching.md", "compile-only.md", "tt-backend.md", "patches.md", "planner.md",
+          "meshes.md", "bad-inputs.md", "design.md", "hardware-facts.md", "tt-mlir-notes.md", "results.md",
+          "layout.md"]
+# Where `generate` writes by default (its --out): named in example output, made by the command.
+OUTPUT_DIRS = ("results/generate/",)
+
+
+def _code_blocks(text: str) -> list[str]:
+    return re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.M | re.S)
+
+
+def _command_lines(text: str) -> list[str]:
+    """``wan-sharding`` invocations: lines of code blocks (continuations joined, prompts and trailing
+    comments dropped) and inline code spans that start with the command."""
+    found = []
+    for block in _code_blocks(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"^\s*\$\s+", "", line)
+            m = re.match(r"^\s*(?:\S*/)?wan-sharding(\s.*)?$", line)
+            if m:
+                found.append("wan-sharding" + (m.group(1) or ""))
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    found += [m.group(1) for m in re.finditer(r"`((?:\S*/)?wan-sharding(?: [^`]*)?)`", prose)]
+    out = []
+    for cmd in found:
+        cmd = re.sub(r"\s+#.*$", "", cmd).strip()
+        cmd = re.sub(r"^\S*/wan-sharding", "wan-sharding", cmd)
+        if "<" in cmd or cmd.split()[1:2] in (["<command>"], ["..."]):
+            continue  # a pattern (`wan-sharding <command>: error: ...`), not a command line
+        out.append(cmd)
+    return out
+
+
+def _all_commands() -> list[tuple[str, str]]:
+    cmds = []
+    # docs/bad-inputs.md quotes commands that must be refused; tests/test_bad_inputs.py runs those.
+    for page in (p for p in PAGES if p.name != "bad-inputs.md"):
+        for cmd in _command_lines(page.read_text()):
+            if (page.name, cmd) not in cmds:
+                cmds.append((page.relative_to(ROOT).as_posix(), cmd))
+    return cmds
+
+
+COMMANDS = _all_commands()
+
+
+def test_the_docs_quote_commands() -> None:
+    # The extraction must find what the README shows, or the check below checks nothing.
+    readme = [c for p, c in COMMANDS if p == "README.md"]
+    assert "wan-sharding" in readme and len(COMMANDS) >= 30, COMMANDS
+    assert {c.split()[1] for _, c in COMMANDS if len(c.split()) > 1} >= {
+        "check", "specs", "meshes", "generate", "profile", "compile", "sysdesc", "plan"}
+
+
+@pytest.fixture()
+def plan_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A scratch directory to run in, with a real plan where a quoted command reads one (the docs
+    write it with `plan --write` first): the 2x4 Wormhole recommendation kept in results/."""
+    from wan_sharding import ShardingPlan
+
+    monkeypatch.chdir(tmp_path)
+    rec = json.loads((ROOT / "results" / "plan_2x4_wormhole_b0_480p.json").read_text())["recommended"]
+    ShardingPlan.from_dict(rec["plan"]).save(tmp_path / "plan.json")
+    return tmp_path
+
+
+@pytest.mark.parametrize("page,command", COMMANDS, ids=[f"{p}:{c}" for p, c in COMMANDS])
+def test_every_quoted_command_parses_and_validates(page: str, command: str, plan_files: Path) -> None:
+    from wan_sharding.cli import UsageError, parse_and_validate
+
+    argv = shlex.split(command)[1:]
+    before = sorted(p.name for p in plan_files.iterdir())
+    try:
+        parse_and_validate(argv)
+    except UsageError as e:
+        pytest.fail(f"{page}: `{command}` is refused: {e}")
+    except SystemExit as e:  # --help exits 0 after printing; anything else is a refusal
+        if e.code != 0:
+            pytest.fail(f"{page}: `{command}` does not parse (exit {e.code})")
+    assert sorted(p.name for p in plan_files.iterdir()) == before, "validation wrote something"
+
+
+def test_parse_and_validate_refuses_what_main_refuses() -> None:
+    # The check above can fail: the same entry point refuses a bad value and an unknown option.
+    from wan_sharding.cli import UsageError, parse_and_validate
+
+    with pytest.raises(UsageError, match="ROWSxCOLS"):
+        parse_and_validate(["plan", "--mesh", "2by4"])
+    with pytest.raises(SystemExit):
+        parse_and_validate(["generate", "--no-such-option"])
+    with pytest.raises(UsageError, match="4k"):
+        parse_and_validate(["generate", "--frames", "8"])
+
+
+def _named_paths(text: str) -> set[str]:
+    return {m.group(0).rstrip(".,:;)") for m in re.finditer(r"(?<![\w/.-])(?:docs|results)/[\w.*<>/-]*[\w*>]", text)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_named_paths_and_links_exist(page: Path) -> None:
+    text = page.read_text()
+    missing = []
+    for name in sorted(_named_paths(text)):
+        if name.startswith(OUTPUT_DIRS):
+            continue
+        pattern = re.sub(r"<[^>]+>", "*", name)
+        if not (list(ROOT.glob(pattern)) if "*" in pattern else (ROOT / name).exists()):
+            missing.append(name)
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if not re.match(r"[a-z]+://", target) and not (page.parent / target).exists():
+            missing.append(f"link {target}")
+    assert not missing, f"{page.relative_to(ROOT)} names what does not exist: {missing}"
+
+
+def test_every_topic_has_its_page_linked_from_both_indexes() -> None:
+    readme = (ROOT / "README.md").read_text()
+    index = (ROOT / "docs" / "README.md").read_text()
+    for topic in TOPICS:
+        assert (ROOT / "docs" / topic).exists(), topic
+        assert f"](docs/{topic})" in readme, f"README.md does not link docs/{topic}"
+        assert f"]({topic})" in index, f"docs/README.md does not link {topic}"
+    assert len(readme.splitlines()) <= 200, "the README is for five minutes: move the topic to docs/"
+
+
+# Reference pages (design, figures, compiler notes) are read, not run; every other page is a task.
+REFERENCE = ("design.md", "hardware-facts.md", "tt-mlir-notes.md")
+
+
+@pytest.mark.parametrize("topic", [t for t in TOPICS if t not in REFERENCE])
+def test_each_page_starts_with_what_a_user_runs(topic: str) -> None:
+    text = (ROOT / "docs" / topic).read_text()
+    first_section = text.find("\n## ")
+    head = text if first_section < 0 else text[:first_section]
+    assert "```" in head, f"docs/{topic} should open with the command or code a user runs"
