@@ -349,3 +349,44 @@ def test_many_models_in_one_process_stay_compiled(dynamo_run):
     assert r["compiles"] == MODELS + 2  # the released model again, and the one past the limit
     assert r["over_limit"].startswith("BackendError: dynamo's recompile limit (1) is reached for this model")
     assert r["options"] == [WAN_TEST_OPTIONS]  # sent once, for every model
+
+
+# ---------------------------------------------------------------------------- inference only
+
+def test_profile_runs_the_tt_forward_without_autograd(tt_stand_ins, monkeypatch):
+    """``profile``'s worker job on the tt path (stand-ins as above, plus a fake torch-xla runtime
+    and SPMD module with 8 "devices"): every compiled forward runs with grad off, and its output
+    carries no autograd graph (with grad on, tt's torch.compile would trace a backward too)."""
+    from wan_sharding.jobs import profile
+
+    runtime = types.ModuleType("torch_xla.runtime")
+    runtime.set_device_type, runtime.is_spmd, runtime.use_spmd = (lambda kind: None), (lambda: True), (lambda: None)
+    runtime.global_runtime_device_count = lambda: 8
+    spmd = types.ModuleType("torch_xla.distributed.spmd")
+    spmd.Mesh = lambda ids, shape, names: SimpleNamespace(mesh_shape=shape, axis_names=names)
+    spmd.mark_sharding = lambda tensor, mesh, spec: None
+    distributed = types.ModuleType("torch_xla.distributed")
+    distributed.spmd = spmd
+    for name, module in (("runtime", runtime), ("distributed", distributed), ("distributed.spmd", spmd)):
+        monkeypatch.setitem(sys.modules, f"torch_xla.{name}", module)
+    monkeypatch.setattr(sys.modules["torch_xla"], "runtime", runtime, raising=False)
+    monkeypatch.setattr(sys.modules["torch_xla"], "distributed", distributed, raising=False)
+    monkeypatch.setenv("CONVERT_SHLO_TO_SHARDY", "1")  # what start_tt_runtime sets, restored after
+
+    seen = []
+
+    def compile_stand_in(model, *, backend=None, **kwargs):
+        def run(*args, **kw):
+            out = model(*args, **kw)
+            seen.append((torch.is_grad_enabled(), out[0].requires_grad, out[0].grad_fn is None))
+            return out
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_stand_in)
+    params = {"backend": "tt", "mesh": "2x4", "what": ["dit", "step"], "variant": "t2v-a14b", "warmup": 1,
+              "iters": 1, "padding": "mask", "resolution": "tiny", "latent": None, "dtype": "fp32"}
+    results = profile._job(params)
+    assert [r["what"] for r in results] == ["dit", "step"]
+    assert len(seen) == 2 + 4  # dit: 2 forwards; step: 2 steps of cond + uncond
+    assert set(seen) == {(False, False, True)}
+    assert torch.is_grad_enabled()  # the job leaves the caller's grad mode as it was

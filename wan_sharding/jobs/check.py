@@ -145,7 +145,10 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
 
 
 def _job(params: dict[str, Any]):
+    import torch
+
     prepare_worker(params["backend"])
+    torch.set_grad_enabled(False)  # inference only, in the whole worker (its forwards are no_grad too)
     save = Path(params["save"]) if params.get("save") else None
     plan = None
     if params.get("plan"):

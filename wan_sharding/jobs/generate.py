@@ -404,8 +404,11 @@ def _plans(p: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
     prepare_worker(params["backend"])
-    return {"generate": _generate, "compare": _compare, "cache": _cache, "plans": _plans}[params["kind"]](params)
+    with torch.no_grad():  # inference only (the pipelines' __call__ is no_grad too; the references are not)
+        return {"generate": _generate, "compare": _compare, "cache": _cache, "plans": _plans}[params["kind"]](params)
 
 
 if __name__ == "__main__":
