@@ -390,3 +390,32 @@ def test_profile_runs_the_tt_forward_without_autograd(tt_stand_ins, monkeypatch)
     assert len(seen) == 2 + 4  # dit: 2 forwards; step: 2 steps of cond + uncond
     assert set(seen) == {(False, False, True)}
     assert torch.is_grad_enabled()  # the job leaves the caller's grad mode as it was
+
+
+# ---------------------------------------------------------------------------- the first-run report
+
+def test_first_run_report_is_one_whole_json_file(tmp_path, monkeypatch):
+    """What ``pytest -m tt`` writes (tests/test_tt_hardware.py fills it on the chips): the stack's
+    versions from the package metadata, the chips, the sections, the outcomes; written in one step,
+    so a write that fails leaves no file behind."""
+    import json
+    from importlib.metadata import version
+
+    from wan_sharding.jobs import first_run
+
+    report = first_run.FirstRunReport("2x4", {"devices": 8})
+    report.add("pcc_fp32", [{"case": "t2v-a14b:padded:fp32:mask", "pcc": 0.998, "threshold": 0.99, "ok": True}])
+    report.outcome("pcc_matrix[fp32]", True)
+    report.outcome("warm_profile[bf16]", False, "dynamo_graphs 3 != 1")
+    monkeypatch.setenv(first_run.REPORT_ENV, str(tmp_path / "out" / "first-run.json"))
+    path = report.write(first_run.default_path("2x4"))
+    data = json.loads(path.read_text())
+    assert data["stack"]["torch"] == version("torch") and data["stack"]["pjrt-plugin-tt"] is None
+    assert data["mesh"] == "2x4" and data["chips"] == {"devices": 8} and data["pcc_fp32"][0]["ok"]
+    assert data["outcomes"] == {"pcc_matrix[fp32]": "passed", "warm_profile[bf16]": "failed: dynamo_graphs 3 != 1"}
+    monkeypatch.setattr(first_run.json, "dumps", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        report.write(tmp_path / "interrupted.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing half-written, no temporary left
+    monkeypatch.delenv(first_run.REPORT_ENV)
+    assert first_run.default_path("8x4").name == "tt-first-run-8x4.json"
