@@ -339,15 +339,17 @@ def test_one_graph_per_compiled_forward_holding_every_sp_constraint(dynamo_run, 
 
 
 def test_many_models_in_one_process_stay_compiled(dynamo_run):
-    """More models than dynamo's recompile limit, one backend, one process: each compiles once
-    (one graph) and warm calls compile nothing; ``release`` drops dynamo's entry for that model (it
-    compiles afresh); one model past the limit is an error, not a silent uncompiled forward."""
+    """More models than dynamo's recompile limit, one backend, one process (after the GRAPH_CASES'
+    8 models, each released: a released model's entry must not count against the next ones): each
+    compiles once (one graph) and warm calls compile nothing; ``release`` drops dynamo's entry for
+    that model (it compiles afresh); one model past the limit is an error, not a silent uncompiled
+    forward."""
     r = dynamo_run["models"]
     assert r["per_model"] == [1] * MODELS
     assert r["warm"] == 0
     assert r["dropped"] == 1 and r["after_release"] == 1
     assert r["compiles"] == MODELS + 2  # the released model again, and the one past the limit
-    assert r["over_limit"].startswith("BackendError: dynamo's recompile limit (1) is reached for this model")
+    assert r["over_limit"].startswith("BackendError: dynamo's recompile_limit (1) is reached for this model")
     assert r["options"] == [WAN_TEST_OPTIONS]  # sent once, for every model
 
 

@@ -278,10 +278,13 @@ def _apply_compile_options(options: dict[str, str]) -> None:
 def drop_dynamo_entries(model: torch.nn.Module) -> int:
     """Invalidate dynamo's cache entries guarded on ``model`` (the compiled forwards' code and
     graphs are freed, the other models' entries are kept), as dynamo itself does when a guarded
-    object is deallocated. Returns how many were dropped. Dynamo offers no public call for one
-    object (``torch._dynamo.reset`` drops every model's), so this uses its cache-entry internals
-    (torch 2.9 to 2.11); where they differ it drops nothing and returns 0."""
+    object is deallocated; returns how many were dropped. An invalidated entry stays in dynamo's
+    list and counts against every model's recompile limit, so a code object left with invalidated
+    entries only is cleared (``reset_code``). Dynamo offers no public call for one object
+    (``torch._dynamo.reset`` drops every model's), so this uses its cache-entry internals (torch
+    2.9 to 2.11); where they differ it drops nothing and returns 0."""
     try:
+        from torch._C._dynamo.eval_frame import reset_code
         from torch._dynamo import convert_frame
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         from torch._dynamo.guards import DeletedGuardManagerWrapper
@@ -292,7 +295,8 @@ def drop_dynamo_entries(model: torch.nn.Module) -> int:
         code = weak_code()
         if code is None:
             continue
-        for entry in _debug_get_cache_entry_list(code):
+        entries = _debug_get_cache_entry_list(code)
+        for entry in entries:
             manager = entry.guard_manager
             refs = getattr(manager, "id_matched_objs", None) or {}
             cache_entry, extra_state = getattr(manager, "cache_entry", None), getattr(manager, "extra_state", None)
@@ -300,6 +304,9 @@ def drop_dynamo_entries(model: torch.nn.Module) -> int:
                 continue
             extra_state.invalidate(cache_entry, DeletedGuardManagerWrapper("released by wan_sharding's tt backend"))
             dropped += 1
+        entries = _debug_get_cache_entry_list(code)
+        if entries and all(isinstance(e.guard_manager, DeletedGuardManagerWrapper) for e in entries):
+            reset_code(code)
     return dropped
 
 
@@ -369,9 +376,10 @@ class TTBackend(XlaBackend):
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
                 return compiled(*args, **kwargs, return_dict=False)[0]
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            which = str(e).split(" reached")[0]  # dynamo's words: which limit
             raise BackendError(
-                f"dynamo's recompile limit ({torch._dynamo.config.recompile_limit}) is reached for this model: "
+                f"dynamo's {which} ({torch._dynamo.config.recompile_limit}) is reached for this model: "
                 f"{len(self._compiled[id(dit)][1])} input signatures compiled; release() models and shapes no longer "
                 "run, or raise torch._dynamo.config.recompile_limit before the first compile"
             ) from None
