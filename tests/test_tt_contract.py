@@ -13,6 +13,14 @@ device. So these tests replace, and say so plainly:
   whose ``set_custom_compile_options`` records what it gets (that function exists only in
   Tenstorrent's torch-xla build). These show the backend compiles once per model and input
   signature, forgets on ``release``, and sends the compile options once, defaults or overrides.
+- for the graph counts, real ``torch.compile`` in a stock torch-xla CPU process
+  (``tests/tt_graphs.py``): there the custom op ``tt::sharding_constraint`` (registered as tt-xla's
+  ``python_package/tt_torch/custom_ops.py`` registers it) and a graph-counting ``"tt"`` dynamo
+  backend stand in for tt_torch, with ``inline_inbuilt_nn_modules=False`` as tt-xla's
+  ``torch_plugin_tt`` sets it; the backend, hooks, torch-xla SPMD and dynamo are the real ones.
+
+The option keys are checked against the list of keys tt-xla's plugin reads, copied by hand from
+its source below (``PLUGIN_KEYS``).
 """
 
 import sys
