@@ -65,7 +65,7 @@ def _device_check(be: Backend):
     tensors gets a clear error instead of torch-xla's. ``None`` for other backends.
 
     It runs once per forward, at its entry, and never inside a compiled one: dynamo does not trace
-    it (``torch._dynamo.disable``; under tt's ``inline_inbuilt_nn_modules=False`` a top-level hook
+    it (``torch.compiler.disable``; under tt's ``inline_inbuilt_nn_modules=False`` a top-level hook
     runs before dynamo picks up the forward's frame), so no untraceable call splits the graph and
     no frame of its own counts against dynamo's recompile limit. The device type is read here,
     once, outside any forward."""
@@ -73,9 +73,9 @@ def _device_check(be: Backend):
         return None
     device_type = be.device.type
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def check(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         weight = next(mod.parameters(), None)
         for t in (x, weight):
             if t is not None and t.device.type != device_type:

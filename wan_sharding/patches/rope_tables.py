@@ -104,7 +104,7 @@ class CachedRopeTables:
     @torch.compiler.disable
     def prefill(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the model: the tables for this forward, made before dynamo traces it."""
-        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         if type(x) is torch.Tensor and self.cached.get(self._key(x)) is None:
             self.make(x)
 
