@@ -13,6 +13,14 @@ device. So these tests replace, and say so plainly:
   whose ``set_custom_compile_options`` records what it gets (that function exists only in
   Tenstorrent's torch-xla build). These show the backend compiles once per model and input
   signature, forgets on ``release``, and sends the compile options once, defaults or overrides.
+- for the graph counts, real ``torch.compile`` in a stock torch-xla CPU process
+  (``tests/tt_graphs.py``): there the custom op ``tt::sharding_constraint`` (registered as tt-xla's
+  ``python_package/tt_torch/custom_ops.py`` registers it) and a graph-counting ``"tt"`` dynamo
+  backend stand in for tt_torch, with ``inline_inbuilt_nn_modules=False`` as tt-xla's
+  ``torch_plugin_tt`` sets it; the backend, hooks, torch-xla SPMD and dynamo are the real ones.
+
+The option keys are checked against the list of keys tt-xla's plugin reads, copied by hand from
+its source below (``PLUGIN_KEYS``).
 """
 
 import sys
@@ -100,8 +108,9 @@ def test_tt_backend_without_the_plugin_says_where_to_get_it(monkeypatch):
 # ---------------------------------------------------------------------------- compile once, options
 
 # What Tenstorrent's Wan DiT tests compile with (tt-xla tests/torch/models/wan14b/test_wan_dit.py),
-# as strings, the form their test compiler config hands to set_custom_compile_options.
-WAN_TEST_OPTIONS = {"optimization_level": "1", "experimental_enable_dram_space_saving_optimization": "true",
+# under the keys the plugin reads (tt-xla pjrt_implementation/src/api/compile_options.cc: the DRAM
+# pass's key is hyphenated, as tests/infra/testers/compiler_config.py sends it), string values.
+WAN_TEST_OPTIONS = {"optimization_level": "1", "experimental-enable-dram-space-saving-optimization": "true",
                     "enable_trace": "true"}
 
 
@@ -176,7 +185,7 @@ def test_tt_compile_options_defaults_and_overrides(tt_stand_ins, monkeypatch):
     with torch.no_grad():
         backend.run(dit, None, **inputs)
         backend.run(dit, None, **inputs)
-    overridden = {"optimization_level": "2", "experimental_enable_dram_space_saving_optimization": "true",
+    overridden = {"optimization_level": "2", "experimental-enable-dram-space-saving-optimization": "true",
                   "enable_trace": "false", "export_path": "irs"}
     assert tt_stand_ins.options == [overridden]
 
@@ -187,7 +196,7 @@ def test_tt_compile_options_defaults_and_overrides(tt_stand_ins, monkeypatch):
     with torch.no_grad():
         env_backend.run(dit, None, **inputs)
     assert tt_stand_ins.options[-1] == {"optimization_level": "0", "enable_trace": "true",
-                                        "experimental_enable_dram_space_saving_optimization": "false"}
+                                        "experimental-enable-dram-space-saving-optimization": "false"}
     # A backend with the options torch-xla already has sends nothing again (they are process-wide).
     with torch.no_grad():
         _tt_backend(compile_options=TTCompileOptions(0, False, True)).run(dit, None, **inputs)
@@ -230,3 +239,193 @@ def test_tt_backend_runs_a_cached_forward_lazily_not_through_torch_compile(tt_st
     assert model.cache_stats.computed == {"blocks.0": 3, "blocks.1": 1}
     model.disable_cache()
     sp.remove()
+
+
+# ---------------------------------------------------------------------------- the plugin's option keys
+
+# Every key tt-xla's PJRT plugin reads (tt-xla main 2026-08-21, pjrt_implementation/src/api/
+# compile_options.cc, CompileOptions::parse), copied from that source by hand: the plugin ignores
+# any other key without a word.
+PLUGIN_KEYS = {
+    "optimization_level", "experimental_weight_dtype", "experimental-kv-cache-dtype",
+    "enable_activation_dtype_lowering", "math_fidelity", "fp32_dest_acc_en",
+    "experimental_enable_fusing_conv2d_with_multiply_pattern", "backend", "export_path", "enable_trace",
+    "export_tensors", "enable_const_eval", "enable_const_eval_on_cpu", "enable_const_eval_inputs_to_system_memory",
+    "experimental_enable_permute_matmul_fusion", "codegen_try_recover_structure", "codegen_split_files",
+    "experimental-enable-dram-space-saving-optimization", "enable_create_d2m_subgraphs", "ttnn_perf_metrics_enabled",
+    "ttnn_perf_metrics_output_file", "dry_run", "target_module", "export_model_name",
+}
+
+
+def test_every_option_sent_is_a_key_the_plugin_reads():
+    assert set(tt_module.PLUGIN_OPTIONS) == PLUGIN_KEYS  # the backend's table is the plugin's list
+    every = TTCompileOptions(0, False, False, extra={"math_fidelity": "HiFi4", "fp32_dest_acc_en": "on",
+                                                     "experimental-kv-cache-dtype": "bfp_bf8", "export_path": "irs"})
+    assert set(TTCompileOptions().to_torch_xla()) <= PLUGIN_KEYS
+    assert every.to_torch_xla() == {"optimization_level": "0", "experimental-enable-dram-space-saving-optimization": "false",
+                                    "enable_trace": "false", "math_fidelity": "hifi4", "fp32_dest_acc_en": "true",
+                                    "experimental-kv-cache-dtype": "bfp_bf8", "export_path": "irs"}
+    # the plugin's own key for a field sets that field
+    assert TTCompileOptions.of({"experimental-enable-dram-space-saving-optimization": False}) == TTCompileOptions(1, False)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"optimization_level": 3}, "optimization_level must be 0, 1 or 2, got 3"),
+    ({"optimization_level": "2"}, "optimization_level must be 0, 1 or 2"),
+    ({"enable_trace": "maybe"}, "'enable_trace' must be True or False, got 'maybe'"),
+    ({"fp32_dest_acc_en": "maybe"}, "'fp32_dest_acc_en' must be true or false, got 'maybe'"),
+    ({"math_fidelity": "hifi5"}, "'math_fidelity' must be one of 'lofi', 'hifi2', 'hifi3', 'hifi4', 'ttnn_default'"),
+    ({"backend": "codegen_py"}, "needs export_path"),
+    ({"export_path": 7}, "'export_path' must be a string"),
+    ({"experimental_kv_cache_dtype": "bf16"}, "unknown tt compile option .*plugin spells it 'experimental-kv-cache-dtype'"),
+    ({"enable_tracing": True}, "unknown tt compile option 'enable_tracing'.*would ignore it"),
+])
+def test_a_bad_option_is_one_line_before_anything_is_sent(tt_stand_ins, options, match):
+    from wan_sharding.backends.tt import TTOptionsError
+
+    with pytest.raises(TTOptionsError, match=match) as err:
+        _tt_backend(compile_options=options)
+    assert "\n" not in str(err.value)
+    assert tt_stand_ins.options == [] and tt_stand_ins.compiles == []
+
+
+def test_a_bad_options_variable_stops_the_worker_before_it_starts(tt_stand_ins, monkeypatch):
+    from wan_sharding.backends.tt import TTOptionsError
+
+    monkeypatch.setenv(COMPILE_OPTIONS_ENV, '{"optimization_level": 1, "enable_trace": "sometimes"}')
+    with pytest.raises(TTOptionsError, match="'enable_trace' must be True or False"):
+        TTBackend.worker_env(8)
+    monkeypatch.setenv(COMPILE_OPTIONS_ENV, "optimization_level=1")
+    with pytest.raises(TTOptionsError, match="not a JSON object"):
+        TTBackend.worker_env(8)
+
+
+# ---------------------------------------------------------------------------- real dynamo, counted graphs
+
+# variant:dtype:padding[:patches]; 105 tokens padded to 128 on the 2x4 mesh
+GRAPH_CASES = ["t2v-a14b:fp32:mask", "t2v-a14b:fp32:slice", "t2v-a14b:bf16:mask", "t2v-a14b:bf16:slice",
+               "t2v-a14b:fp32:mask:patchify+rope+qkv+rope_tables", "t2v-a14b:bf16:slice:patchify+rope+qkv+rope_tables",
+               "i2v-a14b:fp32:mask", "ti2v-5b:bf16:mask"]
+MODELS = 10  # more than dynamo's recompile limit (8)
+
+
+@pytest.fixture(scope="module")
+def dynamo_run():
+    """One torch-xla CPU process (``tt_graphs.py``): every GRAPH_CASE compiled by real dynamo with a
+    graph-counting backend and a tt-style constraint op standing in for tt_torch (which cannot be
+    installed here; see that file), then MODELS models compiled one after another."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from wan_sharding.jobs.launch import worker_env
+
+    script = Path(__file__).with_name("tt_graphs.py")
+    proc = subprocess.run([sys.executable, str(script), str(MODELS), *GRAPH_CASES], env=worker_env("xla", 8),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES)
+def test_one_graph_per_compiled_forward_holding_every_sp_constraint(dynamo_run, case):
+    """Real ``torch.compile`` of the sharded tiny DiT on the tt path: one graph, and in it every
+    constraint the hooks make in an eager forward, in order. A split graph (an untraceable call in
+    a hook) shows as more graphs and constraints missing from them."""
+    r = dynamo_run["cases"][case]
+    assert r["breaks"] == {}, r["breaks"]
+    assert len(r["graphs"]) == 1, [len(g) for g in r["graphs"]]  # and none more for the warm call
+    [graph] = r["graphs"]
+    assert graph == r["eager"]
+    # the plan, counted apart: rope cos + sin, block entry (replicated anchor, then L on SP each),
+    # the key mask (mask mode: L is padded), the exit gather
+    rep4, sp4 = sdy_string(("sp", "tp"), (None,) * 4), sdy_string(("sp", "tp"), (None, "sp", None, None))
+    rep3, sp3 = sdy_string(("sp", "tp"), (None,) * 3), sdy_string(("sp", "tp"), (None, "sp", None))
+    mask = [rep4] if case.split(":")[2] == "mask" else []
+    assert graph == [rep4, sp4, rep4, sp4, *mask, rep3, sp3, rep3]
+
+
+def test_many_models_in_one_process_stay_compiled(dynamo_run):
+    """More models than dynamo's recompile limit, one backend, one process (after the GRAPH_CASES'
+    8 models, each released: a released model's entry must not count against the next ones): each
+    compiles once (one graph) and warm calls compile nothing; ``release`` drops dynamo's entry for
+    that model (it compiles afresh); one model past the limit is an error, not a silent uncompiled
+    forward."""
+    r = dynamo_run["models"]
+    assert r["per_model"] == [1] * MODELS
+    assert r["warm"] == 0
+    assert r["dropped"] == 1 and r["after_release"] == 1
+    assert r["compiles"] == MODELS + 2  # the released model again, and the one past the limit
+    assert r["over_limit"].startswith("BackendError: dynamo's recompile_limit (1) is reached for this model")
+    assert r["options"] == [WAN_TEST_OPTIONS]  # sent once, for every model
+
+
+# ---------------------------------------------------------------------------- inference only
+
+def test_profile_runs_the_tt_forward_without_autograd(tt_stand_ins, monkeypatch):
+    """``profile``'s worker job on the tt path (stand-ins as above, plus a fake torch-xla runtime
+    and SPMD module with 8 "devices"): every compiled forward runs with grad off, and its output
+    carries no autograd graph (with grad on, tt's torch.compile would trace a backward too)."""
+    from wan_sharding.jobs import profile
+
+    runtime = types.ModuleType("torch_xla.runtime")
+    runtime.set_device_type, runtime.is_spmd, runtime.use_spmd = (lambda kind: None), (lambda: True), (lambda: None)
+    runtime.global_runtime_device_count = lambda: 8
+    spmd = types.ModuleType("torch_xla.distributed.spmd")
+    spmd.Mesh = lambda ids, shape, names: SimpleNamespace(mesh_shape=shape, axis_names=names)
+    spmd.mark_sharding = lambda tensor, mesh, spec: None
+    distributed = types.ModuleType("torch_xla.distributed")
+    distributed.spmd = spmd
+    for name, module in (("runtime", runtime), ("distributed", distributed), ("distributed.spmd", spmd)):
+        monkeypatch.setitem(sys.modules, f"torch_xla.{name}", module)
+    monkeypatch.setattr(sys.modules["torch_xla"], "runtime", runtime, raising=False)
+    monkeypatch.setattr(sys.modules["torch_xla"], "distributed", distributed, raising=False)
+    monkeypatch.setenv("CONVERT_SHLO_TO_SHARDY", "1")  # what start_tt_runtime sets, restored after
+
+    seen = []
+
+    def compile_stand_in(model, *, backend=None, **kwargs):
+        def run(*args, **kw):
+            out = model(*args, **kw)
+            seen.append((torch.is_grad_enabled(), out[0].requires_grad, out[0].grad_fn is None))
+            return out
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_stand_in)
+    params = {"backend": "tt", "mesh": "2x4", "what": ["dit", "step"], "variant": "t2v-a14b", "warmup": 1,
+              "iters": 1, "padding": "mask", "resolution": "tiny", "latent": None, "dtype": "fp32"}
+    results = profile._job(params)
+    assert [r["what"] for r in results] == ["dit", "step"]
+    assert len(seen) == 2 + 4  # dit: 2 forwards; step: 2 steps of cond + uncond
+    assert set(seen) == {(False, False, True)}
+    assert torch.is_grad_enabled()  # the job leaves the caller's grad mode as it was
+
+
+# ---------------------------------------------------------------------------- the first-run report
+
+def test_first_run_report_is_one_whole_json_file(tmp_path, monkeypatch):
+    """What ``pytest -m tt`` writes (tests/test_tt_hardware.py fills it on the chips): the stack's
+    versions from the package metadata, the chips, the sections, the outcomes; written in one step,
+    so a write that fails leaves no file behind."""
+    import json
+    from importlib.metadata import version
+
+    from wan_sharding.jobs import first_run
+
+    report = first_run.FirstRunReport("2x4", {"devices": 8})
+    report.add("pcc_fp32", [{"case": "t2v-a14b:padded:fp32:mask", "pcc": 0.998, "threshold": 0.99, "ok": True}])
+    report.outcome("pcc_matrix[fp32]", True)
+    report.outcome("warm_profile[bf16]", False, "dynamo_graphs 3 != 1")
+    monkeypatch.setenv(first_run.REPORT_ENV, str(tmp_path / "out" / "first-run.json"))
+    path = report.write(first_run.default_path("2x4"))
+    data = json.loads(path.read_text())
+    assert data["stack"]["torch"] == version("torch") and data["stack"]["pjrt-plugin-tt"] is None
+    assert data["mesh"] == "2x4" and data["chips"] == {"devices": 8} and data["pcc_fp32"][0]["ok"]
+    assert data["outcomes"] == {"pcc_matrix[fp32]": "passed", "warm_profile[bf16]": "failed: dynamo_graphs 3 != 1"}
+    monkeypatch.setattr(first_run.json, "dumps", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        report.write(tmp_path / "interrupted.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing half-written, no temporary left
+    monkeypatch.delenv(first_run.REPORT_ENV)
+    assert first_run.default_path("8x4").name == "tt-first-run-8x4.json"

@@ -59,15 +59,34 @@ class _Hook(RefusesCopy):
         return self.fn(*args, **kwargs)
 
 
-def _check_on_device(be: Backend, x: torch.Tensor) -> None:
-    """A backend that runs on its device (torch-xla, tt) needs the forward's tensors there; a plain
-    eager call of the hooked model on host tensors gets a clear error instead of torch-xla's."""
-    if getattr(be, "uses_torch_xla", False) and x.device.type != be.device.type:
-        raise ShardingError(
-            f"this model has SP hooks for the {be.name} backend but ran eagerly on {x.device.type} tensors; run it with "
-            f"backend.run(dit, backend.place(dit, specs), **inputs) (or through shard_pipeline's ShardedTransformer), "
-            "which puts the model and inputs on the device"
-        )
+def _device_check(be: Backend):
+    """A forward pre-hook for the model itself: a backend that runs on its device (torch-xla, tt)
+    needs the forward's input and weights there, and a plain eager call of the hooked model on host
+    tensors gets a clear error instead of torch-xla's. ``None`` for other backends.
+
+    It runs once per forward, at its entry, and never inside a compiled one: dynamo does not trace
+    it (``torch.compiler.disable``; under tt's ``inline_inbuilt_nn_modules=False`` a top-level hook
+    runs before dynamo picks up the forward's frame), so no untraceable call splits the graph and
+    no frame of its own counts against dynamo's recompile limit. The device type is read here,
+    once, outside any forward."""
+    if not getattr(be, "uses_torch_xla", False):
+        return None
+    device_type = be.device.type
+
+    @torch.compiler.disable
+    def check(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        weight = next(mod.parameters(), None)
+        for t in (x, weight):
+            if t is not None and t.device.type != device_type:
+                raise ShardingError(
+                    f"this model has SP hooks for the {be.name} backend but ran eagerly on {t.device.type} tensors; "
+                    f"run it with backend.run(dit, backend.place(dit, specs), **inputs) (or through shard_pipeline's "
+                    "ShardedTransformer), which puts the model and inputs on the device"
+                )
+        return None
+
+    return check
 
 
 @dataclass
@@ -186,14 +205,16 @@ def apply_dit_sp_activation_sharding(
         x = _pad_dim(x, dim, padded_length(x.shape[dim], multiple))
         return be.constrain(x, _sp_spec(x.ndim, dim, sp_axis))
 
+    check = _device_check(be)
+    if check is not None:  # first, so it runs before any other hook of the forward
+        # not a _Hook: the other hooks already refuse copies, and dynamo must see the disabled function itself
+        handle._hooks.append(dit.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
+
     split = f"{'replicated -> ' if anchor else ''}pad -> L-on-{sp_axis}"
     for point in WAN_SP_PLAN:
         module = modules[point.module]
         if isinstance(point, SPSplit) and point.arg is None:  # rope: split both output tables
             def rope_hook(mod, args, out, dim=point.dim):
-                _check_on_device(be, args[0])  # rope runs first in the forward: the one place to check
-                for t in out:
-                    _check_on_device(be, t)
                 return tuple(shard_tokens(t, dim) for t in out)
 
             handle._hooks.append(module.register_forward_hook(_Hook(rope_hook)))

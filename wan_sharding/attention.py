@@ -125,7 +125,10 @@ class SliceKV(_PaddedAttention):
     def padded_call(self, attn, hidden_states, rotary_emb, **kwargs):
         # Hook point: a wrapped processor that restates attention itself (``wan_sharding.patches``)
         # provides the same ``attend`` and slices its own K/V; the stock processor gets ours.
-        attend = getattr(self.inner, "attend", None) or self.attend
+        # (`is None`, not `or`: dynamo cannot take the truth value of a bound method, a graph break)
+        attend = getattr(self.inner, "attend", None)
+        if attend is None:
+            attend = self.attend
         return attend(attn, hidden_states, rotary_emb, self.state.valid_len)
 
     def attend(self, attn, hidden_states, rotary_emb, keep: int):

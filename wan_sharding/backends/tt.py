@@ -110,6 +110,73 @@ def _tt_sharding():
 
 # ------------------------------------------------------------------------------ compile options
 
+# Every option tt-xla's PJRT plugin reads, by the key it reads (tt-xla,
+# ``pjrt_implementation/src/api/compile_options.cc``, ``CompileOptions::parse``; defaults and
+# meanings in ``pjrt_implementation/inc/api/compile_options.h``), with the kind of value it parses.
+# The plugin ignores any other key and aborts the process (``ABORT_F``) on a value it cannot
+# parse, so both are checked here first. "bool": true/false/1/0/yes/no/on/off, any case.
+_BOOL, _INT, _TEXT = "bool", "int", "text"
+PLUGIN_OPTIONS: dict[str, Any] = {
+    "optimization_level": (0, 1, 2),
+    "experimental_weight_dtype": ("", "bfp_bf8", "bfp_bf4"),
+    "experimental-kv-cache-dtype": _TEXT,
+    "enable_activation_dtype_lowering": _BOOL,
+    "math_fidelity": ("lofi", "hifi2", "hifi3", "hifi4", "ttnn_default"),
+    "fp32_dest_acc_en": _BOOL,
+    "experimental_enable_fusing_conv2d_with_multiply_pattern": _BOOL,
+    "backend": ("default", "ttnn_flatbuffer", "codegen_cpp", "codegen_py", "codegen_load_py"),
+    "export_path": _TEXT,
+    "enable_trace": _BOOL,
+    "export_tensors": _BOOL,
+    "enable_const_eval": _BOOL,
+    "enable_const_eval_on_cpu": _BOOL,
+    "enable_const_eval_inputs_to_system_memory": _BOOL,
+    "experimental_enable_permute_matmul_fusion": _BOOL,
+    "codegen_try_recover_structure": _BOOL,
+    "codegen_split_files": _BOOL,
+    "experimental-enable-dram-space-saving-optimization": _BOOL,
+    "enable_create_d2m_subgraphs": _BOOL,
+    "ttnn_perf_metrics_enabled": _BOOL,
+    "ttnn_perf_metrics_output_file": _TEXT,
+    "dry_run": _BOOL,
+    "target_module": _BOOL,
+    "export_model_name": _TEXT,
+}
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+# The dataclass fields, by the key the plugin reads for each (Python names cannot hold "-").
+FIELD_KEYS = {"optimization_level": "optimization_level",
+              "experimental_enable_dram_space_saving_optimization": "experimental-enable-dram-space-saving-optimization",
+              "enable_trace": "enable_trace"}
+
+
+class TTOptionsError(BackendError, ValueError):
+    """A tt-mlir compile option the plugin would ignore (unknown key) or abort on (bad value)."""
+
+
+def _plugin_value(key: str, value: Any) -> str:
+    """``value`` as the string the plugin parses for ``key``; TTOptionsError (one line: the key,
+    what it got, what it takes) otherwise."""
+    kind = PLUGIN_OPTIONS.get(key)
+    if kind is None:
+        near = [k for k in PLUGIN_OPTIONS if k.replace("-", "_") == key.replace("-", "_")]
+        hint = f"; the plugin spells it {near[0]!r}" if near else ""
+        raise TTOptionsError(f"unknown tt compile option {key!r}{hint} (tt-xla's plugin would ignore it); "
+                             f"options it reads: {', '.join(sorted(PLUGIN_OPTIONS))}")
+    if kind == _BOOL:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return "true" if value.lower() in _TRUE else "false"
+        raise TTOptionsError(f"tt compile option {key!r} must be true or false, got {value!r}")
+    if kind == _TEXT:
+        if isinstance(value, str):
+            return value
+        raise TTOptionsError(f"tt compile option {key!r} must be a string, got {value!r}")
+    text = value.lower() if isinstance(value, str) and key != "optimization_level" else value
+    if isinstance(value, bool) or text not in kind:
+        raise TTOptionsError(f"tt compile option {key!r} must be one of {', '.join(map(repr, kind))}, got {value!r}")
+    return str(text)
+
 
 @dataclass
 class TTCompileOptions:
@@ -119,8 +186,10 @@ class TTCompileOptions:
     The defaults are the ones Tenstorrent's own Wan 2.2 DiT tests compile with (tt-xla,
     ``tests/torch/models/wan14b/test_wan_dit.py`` and the ``run_component`` helper in
     ``tests/torch/models/wan14b/shared.py``); what each option does is as tt-xla's test compiler
-    config describes it (``tests/infra/testers/compiler_config.py``). Values are sent as strings,
-    the form that config hands to ``set_custom_compile_options``.
+    config describes it (``tests/infra/testers/compiler_config.py``). Each is sent under the key the
+    plugin reads (:data:`FIELD_KEYS`, :data:`PLUGIN_OPTIONS`), as a string. Every value is checked
+    when the options are made (:class:`TTOptionsError`, one line), since the plugin ignores
+    unknown keys and aborts the process on a value it cannot parse.
     """
 
     # tt-mlir optimizer level: 0 all optimizer passes off; 1 basic optimizations (op workarounds
@@ -133,17 +202,31 @@ class TTCompileOptions:
     # Hoist the device program into a TTNN trace that is captured once and replayed, removing host
     # dispatch from warm iterations. Tenstorrent's Wan tests: on.
     enable_trace: bool = True
-    # Any other option tt-xla's plugin accepts, by its name (e.g. {"export_path": "irs"}).
+    # Any other option tt-xla's plugin reads, by its key (e.g. {"export_path": "irs"}).
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.optimization_level not in (0, 1, 2):
-            raise ValueError(f"optimization_level must be 0, 1 or 2, got {self.optimization_level!r}")
+        if isinstance(self.optimization_level, bool) or self.optimization_level not in (0, 1, 2):
+            raise TTOptionsError(f"optimization_level must be 0, 1 or 2, got {self.optimization_level!r}")
+        for name in ("experimental_enable_dram_space_saving_optimization", "enable_trace"):
+            if not isinstance(getattr(self, name), bool):
+                raise TTOptionsError(f"tt compile option {name!r} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.extra, Mapping):
+            raise TTOptionsError(f"extra tt compile options must be a mapping of option keys, got {self.extra!r}")
+        for key, value in self.extra.items():
+            if key in FIELD_KEYS.values():
+                raise TTOptionsError(f"tt compile option {key!r} has a field of its own: set it by its field name")
+            _plugin_value(key, value)
+        backend = str(self.extra.get("backend", "default")).lower()
+        if backend not in ("default", "ttnn_flatbuffer") and "export_path" not in self.extra:
+            # the plugin aborts on this (CompileOptions::parse)
+            raise TTOptionsError(f"tt compile option backend={backend!r} needs export_path (where the code goes)")
 
     @classmethod
     def of(cls, value: "TTCompileOptions | Mapping[str, Any] | None") -> "TTCompileOptions":
-        """Options from an instance, a mapping (known names set fields, other names go to
-        ``extra``) or ``None`` (:data:`COMPILE_OPTIONS_ENV` if set, else the defaults)."""
+        """Options from an instance, a mapping (field names set fields, a plugin key sets its
+        field, other keys go to ``extra``) or ``None`` (:data:`COMPILE_OPTIONS_ENV` if set, else
+        the defaults). TTOptionsError on an unknown key or a bad value."""
         if isinstance(value, cls):
             return value
         if value is None:
@@ -153,19 +236,23 @@ class TTCompileOptions:
             try:
                 value = json.loads(text)
             except ValueError as e:
-                raise BackendError(f"{COMPILE_OPTIONS_ENV} is not a JSON object: {e}") from None
+                raise TTOptionsError(f"{COMPILE_OPTIONS_ENV} is not a JSON object: {e}") from None
             if not isinstance(value, dict):
-                raise BackendError(f"{COMPILE_OPTIONS_ENV} must be a JSON object, got {text!r}")
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        fields = {k: v for k, v in value.items() if k in known}
-        extra = {**dict(value.get("extra") or {}), **{k: v for k, v in value.items() if k not in known | {"extra"}}}
+                raise TTOptionsError(f"{COMPILE_OPTIONS_ENV} must be a JSON object, got {text!r}")
+        by_key = {k: f for f, k in FIELD_KEYS.items()}
+        fields: dict[str, Any] = {}
+        extra = dict(value.get("extra") or {})
+        for k, v in value.items():
+            if k in FIELD_KEYS or k in by_key:
+                fields[by_key.get(k, k)] = v
+            elif k != "extra":
+                extra[k] = v
         return cls(**fields, extra=extra)
 
     def to_torch_xla(self) -> dict[str, str]:
-        """The dict for ``torch_xla.set_custom_compile_options`` (every value a string)."""
-        text = lambda v: ("true" if v else "false") if isinstance(v, bool) else str(v)  # noqa: E731
-        fields = {k: v for k, v in asdict(self).items() if k != "extra"}
-        return {k: text(v) for k, v in {**fields, **self.extra}.items()}
+        """The dict for ``torch_xla.set_custom_compile_options``: the plugin's keys, string values."""
+        fields = {FIELD_KEYS[k]: v for k, v in asdict(self).items() if k != "extra"}
+        return {k: _plugin_value(k, v) for k, v in {**fields, **self.extra}.items()}
 
 
 _applied_options: dict[str, str] | None = None  # what this process last sent to torch-xla
@@ -188,6 +275,41 @@ def _apply_compile_options(options: dict[str, str]) -> None:
     _applied_options = dict(options)
 
 
+def drop_dynamo_entries(model: torch.nn.Module) -> int:
+    """Invalidate dynamo's cache entries guarded on ``model`` (the compiled forwards' code and
+    graphs are freed, the other models' entries are kept), as dynamo itself does when a guarded
+    object is deallocated; returns how many were dropped. An invalidated entry stays in dynamo's
+    list and counts against every model's recompile limit, so a code object left with invalidated
+    entries only is cleared (``reset_code``). Dynamo offers no public call for one object
+    (``torch._dynamo.reset`` drops every model's), so this uses its cache-entry internals (torch
+    2.9 to 2.11); where they differ it drops nothing and returns 0."""
+    try:
+        from torch._C._dynamo.eval_frame import reset_code
+        from torch._dynamo import convert_frame
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+    except ImportError:
+        return 0
+    dropped = 0
+    for weak_code in list(getattr(convert_frame.input_codes, "seen", ())):
+        code = weak_code()
+        if code is None:
+            continue
+        entries = _debug_get_cache_entry_list(code)
+        for entry in entries:
+            manager = entry.guard_manager
+            refs = getattr(manager, "id_matched_objs", None) or {}
+            cache_entry, extra_state = getattr(manager, "cache_entry", None), getattr(manager, "extra_state", None)
+            if cache_entry is None or extra_state is None or not any(r() is model for r in refs.values()):
+                continue
+            extra_state.invalidate(cache_entry, DeletedGuardManagerWrapper("released by wan_sharding's tt backend"))
+            dropped += 1
+        entries = _debug_get_cache_entry_list(code)
+        if entries and all(isinstance(e.guard_manager, DeletedGuardManagerWrapper) for e in entries):
+            reset_code(code)
+    return dropped
+
+
 # ------------------------------------------------------------------------------ the backend
 
 
@@ -208,6 +330,7 @@ class TTBackend(XlaBackend):
         # cannot be reused by another object while the entry lives. ``release`` drops it.
         self._compiled: dict[int, tuple[torch.nn.Module, dict[Any, Any]]] = {}
         self.compiles = 0  # torch.compile calls so far (one per model and input signature)
+        self.dropped_entries = 0  # dynamo cache entries the last release() dropped
         super().__init__(mesh, native_mesh)
 
     def _make_mesh(self, mesh: MeshSpec) -> Any:
@@ -242,9 +365,24 @@ class TTBackend(XlaBackend):
         return compiled
 
     def run_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One compiled forward. Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` (8)
+        compiled forwards per model and then, by default, runs the model uncompiled (lazily) with
+        only a warning; here that is a one-line BackendError instead. Models count apart (dynamo's
+        limit is per guarded model instance), so only input signatures of one model add up."""
+        import torch._dynamo
+
         args, kwargs = self._to_device(args, kwargs)
         compiled = self.compiled_for(dit, args, kwargs)
-        return compiled(*args, **kwargs, return_dict=False)[0]
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return compiled(*args, **kwargs, return_dict=False)[0]
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            which = str(e).split(" reached")[0]  # dynamo's words: which limit
+            raise BackendError(
+                f"dynamo's {which} ({torch._dynamo.config.recompile_limit}) is reached for this model: "
+                f"{len(self._compiled[id(dit)][1])} input signatures compiled; release() models and shapes no longer "
+                "run, or raise torch._dynamo.config.recompile_limit before the first compile"
+            ) from None
 
     def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """A forward with diffusers' cache hooks live runs lazily, as on the ``xla`` backend, not
@@ -254,10 +392,13 @@ class TTBackend(XlaBackend):
         return XlaBackend.run_device(self, dit, placed, *args, **kwargs)
 
     def release(self, dit: torch.nn.Module) -> None:
-        """Drop the compiled forwards of ``dit``."""
+        """Drop the compiled forwards of ``dit``: this backend's compiled modules and dynamo's cache
+        entries for the model (their graphs hold its modules and device weights, and they count
+        against dynamo's cache limits). Other models' compiled forwards are kept."""
         entry = self._compiled.get(id(dit))
         if entry is not None and entry[0] is dit:
             del self._compiled[id(dit)]
+        self.dropped_entries = drop_dynamo_entries(dit)
 
     @staticmethod
     def cpu_env(num_devices: int) -> dict[str, str]:
@@ -269,6 +410,7 @@ class TTBackend(XlaBackend):
         the user's environment with the TT device selected; the device count comes from the chips
         (``num_devices`` is not used). BackendError when the stack is missing."""
         check_tt_stack()
+        TTCompileOptions.of(None)  # a bad WAN_SHARDING_TT_COMPILE_OPTIONS: one line here, before any worker
         env = dict(os.environ)
         env["PJRT_DEVICE"] = "TT"  # not CPU, whatever the parent process defaulted it to
         env.pop("CPU_NUM_DEVICES", None)

@@ -25,7 +25,7 @@ from ..options import DEFAULT_PADDING, torch_dtype
 from ..plan import ShardingPlan
 from ..workers import WorkerError, WorkerRun, atomic_write, emit, run_worker, worker_main
 from .launch import mesh_arg, num_devices, plan_devices, plan_mesh_arg, prepare_worker, stall_seconds, worker_env
-from .pcc import PIPELINE_PCC_THRESHOLDS, compare
+from .pcc import compare, pcc_thresholds
 
 WORKER = "wan_sharding.jobs.generate"
 
@@ -195,7 +195,7 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     if reference is not None:
         against = cached_reference if cached_reference is not None else reference
         value, max_abs = compare(against, latents)
-        threshold = PIPELINE_PCC_THRESHOLDS[dtype_name]
+        threshold = pcc_thresholds(p["backend"], pipeline=True)[dtype_name]  # tt: the hardware table
         result.update(pcc=value, max_abs=max_abs, pcc_threshold=threshold, pcc_ok=value >= threshold)
         what = f"unsharded with {cache}" if cached_reference is not None else "unsharded"
         if cached_reference is not None:
@@ -404,8 +404,11 @@ def _plans(p: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
     prepare_worker(params["backend"])
-    return {"generate": _generate, "compare": _compare, "cache": _cache, "plans": _plans}[params["kind"]](params)
+    with torch.no_grad():  # inference only (the pipelines' __call__ is no_grad too; the references are not)
+        return {"generate": _generate, "compare": _compare, "cache": _cache, "plans": _plans}[params["kind"]](params)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,14 @@ def _others_share(before, after) -> float | None:
     return round(max(others, 0.0) / ((after[2] - before[2]) * (os.cpu_count() or 1)), 3)
 
 
+def _dynamo_graphs() -> dict[str, int]:
+    """Graphs dynamo compiled in this worker so far, and its graph breaks (tt: the forward's
+    torch.compile should make one graph per input signature and no break)."""
+    from torch._dynamo.utils import counters
+
+    return {"dynamo_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
 def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
     from .. import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
     from ..mesh import MeshSpec
@@ -82,7 +90,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
     dtype = torch_dtype(p["dtype"])
     latent = LatentShape(*(int(v) for v in p["latent"].split(","))) if p.get("latent") \
         else LatentShape(*PROFILE_LATENTS[p["resolution"]])
-    dit = build_dit(p["variant"], "tiny", dtype=dtype)
+    dit = build_dit(p["variant"], "tiny", dtype=dtype).requires_grad_(False)  # timed as inference
     if p["mesh"] == UNSHARDED:  # the baseline: one device, every weight replicated, no SP hooks, no padding
         backend = get_backend(p["backend"], MeshSpec((1, 1)))
         placed = backend.place(dit, replicated_specs(dit))
@@ -177,6 +185,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             "min_s": min(timed) if timed else None, "max_s": max(timed) if timed else None, "times_s": timed,
             "forwards_per_iter": 1 if what == "dit" else 2, "note": note_for(p["backend"]),
             "compiles": getattr(backend, "compiles", None),  # tt: torch.compile calls so far
+            **(_dynamo_graphs() if p["backend"] == "tt" else {}),
             "others_cpu_share": _others_share(marks[0], marks[-1]) if len(marks) == 2 else None,
             "host_cpus": os.cpu_count(), "cache": cache,
         }
@@ -203,8 +212,13 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
     prepare_worker(params["backend"])
-    return _profile(params)
+    # Inference only, as Tenstorrent runs it: with grad on, the tt backend's torch.compile would
+    # trace forward and backward and keep activations.
+    with torch.no_grad():
+        return _profile(params)
 
 
 if __name__ == "__main__":

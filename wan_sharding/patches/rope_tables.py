@@ -10,9 +10,10 @@ instance per (latent shape, dtype, device):
 - eager CPU: the cached tensors themselves;
 - torch-xla (``xla``): a device copy made once and reused, which enters every traced graph as
   device data (a graph input), not as computation;
-- ``torch.compile`` (the ``tt`` backend): the call is excluded from compilation
-  (``torch.compiler.disable``: one graph break at the rope call, the first op of the forward), so
-  the same cached device tables are inputs of the compiled graph;
+- ``torch.compile`` (the ``tt`` backend): a forward pre-hook on the model, which dynamo does not
+  trace (``torch.compiler.disable``), makes the device tables for the incoming latent shape before
+  the forward is traced; the rope call inside the compiled forward is then a lookup, and the
+  cached device tables are inputs of the one compiled graph (no graph break);
 - JAX through torchax (``jax``): the host tables become constants of the traced program (a
   torchax trace cannot keep a device value between traces, so nothing device-side is cached).
   Constants are embedded in the lowered module: 2 x L x head_dim x 4 bytes, ~33 MB for A14B at
@@ -60,7 +61,8 @@ class CachedRopeTables:
         self.compute = compute  # function(module, hidden_states) -> (cos, sin): the replaced forward
         self.replaced = replaced  # the instance's own forward before (None: the class's)
         self.host: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.device: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (latent, dtype, device type, device index) -> the tables the forward returns
+        self.cached: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, latent: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The host (CPU) tables for latent ``(F, H, W)`` in ``dtype``, computed once."""
@@ -72,26 +74,39 @@ class CachedRopeTables:
             self.host[key] = (cos.to(dtype).contiguous(), sin.to(dtype).contiguous())
         return self.host[key]
 
-    # Under torch.compile (the tt backend) this call is a graph break that runs eagerly, so the
-    # tables reach the compiled graph as inputs rather than being traced into it.
-    @torch.compiler.disable
-    def __call__(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        latent = tuple(hidden_states.shape[2:])
+    def _key(self, hidden_states: torch.Tensor) -> tuple:
         rope = self._rope()
         dtype = rope.freqs_cos.dtype if rope is not None else self.twin.freqs_cos.dtype
-        host = self.tables(latent, dtype)
         device = hidden_states.device
-        if device.type == "cpu":
+        return tuple(hidden_states.shape[2:]), dtype, device.type, device.index
+
+    def __call__(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # A lookup dynamo traces: under torch.compile the pre-hook (prefill) has made the entry.
+        found = self.cached.get(self._key(hidden_states))
+        return found if found is not None else self.make(hidden_states)
+
+    @torch.compiler.disable
+    def make(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables for ``hidden_states``' latent shape, dtype and device: the host ones, or a
+        device copy made once. Never traced (a graph break if it ever ran under dynamo)."""
+        key = self._key(hidden_states)
+        host = self.tables(key[0], key[1])
+        if hidden_states.device.type == "cpu":
+            self.cached[key] = host
             return host
-        key = (latent, dtype, str(device))
-        if key in self.device:
-            return self.device[key]
-        out = (host[0].to(device), host[1].to(device))
+        out = (host[0].to(hidden_states.device), host[1].to(hidden_states.device))
         # A plain tensor is real device memory; a tensor subclass (torchax) may be a value of the
         # trace in progress and must not outlive it.
         if all(type(t) is torch.Tensor for t in out):
-            self.device[key] = out
+            self.cached[key] = out
         return out
+
+    @torch.compiler.disable
+    def prefill(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the model: the tables for this forward, made before dynamo traces it."""
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        if type(x) is torch.Tensor and self.cached.get(self._key(x)) is None:
+            self.make(x)
 
 
 class RopeTablesPatch(Patch):
@@ -114,9 +129,11 @@ class RopeTablesPatch(Patch):
         rope = dit.rope
         replaced = instance_override(rope)
         compute = replaced.__func__ if isinstance(replaced, types.MethodType) else type(rope).forward
-        rope.forward = CachedRopeTables(rope, compute, replaced)
+        rope.forward = cached = CachedRopeTables(rope, compute, replaced)
+        prefill = dit.register_forward_pre_hook(cached.prefill, with_kwargs=True)
 
         def undo() -> None:
+            prefill.remove()
             if replaced is None:
                 del rope.forward
             else:

@@ -115,6 +115,7 @@ class ShardedTransformer(torch.nn.Module):
 
         return model_cache_stats(self.dit)
 
+    @torch.no_grad()  # inference only: with grad on, the tt backend's torch.compile would trace a backward too
     def forward(self, *args: Any, return_dict: bool = True, **kwargs: Any):
         dit = self.dit
         kwargs = {k: v for k, v in kwargs.items() if v is not None}

@@ -1,0 +1,161 @@
+"""Run in a torch-xla CPU process by ``test_tt_contract.py``: the ``tt`` backend under real dynamo.
+
+Tenstorrent's torch plugin (``tt_torch``, from ``pjrt-plugin-tt``) cannot be installed here, so
+this process stands in for the two pieces of it the backend touches, made the way tt-xla makes
+them (``python_package/tt_torch/custom_ops.py``, ``python_package/torch_plugin_tt/__init__.py``):
+
+- ``torch.ops.tt.sharding_constraint``, a ``torch.library.custom_op`` for ``cpu`` and ``xla`` with
+  a fake (meta) implementation, so dynamo traces it as one op; here its body returns a copy (the
+  real one emits the ``tt.sharding_constraint`` custom call tt-mlir reads);
+- a ``torch.compile`` backend named ``"tt"`` that records each graph dynamo hands it (and the
+  constraint ops in it) and runs the graph as it is, on torch-xla's lazy tensors;
+- ``torch._dynamo.config.inline_inbuilt_nn_modules = False``, as ``torch_plugin_tt`` sets it.
+
+Everything else is real: stock torch-xla SPMD on 8 CPU devices, the real ``TTBackend``
+(``place``, ``run``, ``release``), the real hooks, dynamo itself. Prints one JSON object.
+
+Usage: ``python tt_graphs.py N CASE...``: each CASE (``variant:dtype:padding[:patch+patch]``)
+compiled and counted, then ``N`` models in one process (``N`` 0: none).
+"""
+
+import json
+import sys
+import types
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+from torch._dynamo import register_backend
+
+torch._dynamo.config.inline_inbuilt_nn_modules = False  # what torch_plugin_tt sets
+
+EAGER_CALLS: list[str] = []  # the constraint op's executions (eager runs)
+GRAPHS: list[list[str]] = []  # one entry per graph dynamo compiled: its constraints' sdy strings
+
+
+@torch.library.custom_op("tt::sharding_constraint", mutates_args=[], device_types=["cpu", "xla"])
+def sharding_constraint(tensor: torch.Tensor, sdy_sharding: str) -> torch.Tensor:
+    EAGER_CALLS.append(sdy_sharding)
+    return tensor.clone()
+
+
+@sharding_constraint.register_fake
+def _(tensor: torch.Tensor, sdy_sharding: str) -> torch.Tensor:
+    return tensor.clone()
+
+
+def sharding_constraint_tensor(input, mesh, partition_spec, unreduced=None):
+    """The stand-in of ``tt_torch.sharding.sharding_constraint_tensor``: the Shardy string as its
+    docstring documents it (mesh axis i named ``mesh_idx_<i>``), then the custom op."""
+    dims = ", ".join("{}" if a is None else '{"mesh_idx_%d"}' % mesh.axis_names.index(a) for a in partition_spec)
+    return torch.ops.tt.sharding_constraint(input, f"#sdy.sharding_per_value<[<@mesh, [{dims}]>]>")
+
+
+sharding = types.ModuleType("tt_torch.sharding")
+sharding.sharding_constraint_tensor = sharding_constraint_tensor
+package = types.ModuleType("tt_torch")
+package.sharding = sharding
+sys.modules.update({"tt_torch": package, "tt_torch.sharding": sharding})
+OPTIONS: list[dict] = []
+torch_xla.set_custom_compile_options = lambda options: OPTIONS.append(dict(options))  # Tenstorrent's build only
+
+
+@register_backend(name="tt")
+def counting_backend(gm: torch.fx.GraphModule, example_inputs):
+    GRAPHS.append([str(n.args[1]) for n in gm.graph.nodes
+                   if n.op == "call_function" and "tt.sharding_constraint" in str(n.target)])
+    return gm.forward
+
+
+def _backend():
+    from wan_sharding.backends.tt import TTBackend
+    from wan_sharding.backends.xla import enable_spmd
+    from wan_sharding.mesh import mesh_from_preset
+
+    enable_spmd()
+    mesh = mesh_from_preset("2x4")
+    # the real torch-xla mesh over the 8 CPU devices; the TT device type is not set (no chips)
+    return TTBackend(mesh, native_mesh=xs.Mesh(np.arange(8), mesh.shape, mesh.axis_names))
+
+
+def graphs(cases: list[str]) -> dict:
+    """Per case: the constraints of one eager (lazy) forward, then the graphs of one compiled one."""
+    from wan_sharding import apply_dit_sp_activation_sharding, shard_dit_specs
+    from wan_sharding.models import LatentShape, build_dit, dit_inputs
+    from wan_sharding.options import torch_dtype
+    from wan_sharding.patches import apply_patches
+
+    backend = _backend()
+    out = {}
+    for case in cases:
+        variant, dtype, padding, *patches = case.split(":")
+        dit = build_dit(variant, dtype=torch_dtype(dtype))
+        inputs = dit_inputs(variant, LatentShape(3, 10, 14), dtype=torch_dtype(dtype))  # 105 tokens -> 128
+        if patches:
+            apply_patches(dit, patches[0].split("+"), mesh=backend.mesh)
+        placed = backend.place(dit, shard_dit_specs(dit, backend.mesh))
+        sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding=padding)
+        device_inputs = {k: v.to(backend.device) for k, v in inputs.items()}
+        EAGER_CALLS.clear()
+        with torch.no_grad():
+            dit(**device_inputs, return_dict=False)  # lazy, not compiled: what the hooks constrain
+        eager = list(EAGER_CALLS)
+        GRAPHS.clear()
+        torch._dynamo.utils.counters.clear()
+        with torch.no_grad():
+            backend.run_device(dit, placed, **inputs)
+            backend.run_device(dit, placed, **inputs)  # a warm call compiles nothing more
+        out[case] = {"eager": eager, "graphs": list(GRAPHS),
+                     "breaks": {str(k): v for k, v in torch._dynamo.utils.counters["graph_break"].items()}}
+        sp.remove()
+        backend.release(dit)
+    return out
+
+
+def models(n: int) -> dict:
+    """``n`` tiny models compiled and run by one backend in one process: graphs per model, then
+    a ``release`` and the released model compiled again."""
+    from wan_sharding import apply_dit_sp_activation_sharding, shard_dit_specs
+    from wan_sharding.models import LatentShape, build_dit, dit_inputs
+
+    backend = _backend()
+    inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    dits, per_model = [], []
+    with torch.no_grad():
+        for i in range(n):
+            dit = build_dit("t2v-a14b", seed=i)
+            placed = backend.place(dit, shard_dit_specs(dit, backend.mesh))
+            apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding="mask")
+            dits.append((dit, placed))
+            before = len(GRAPHS)
+            backend.run_device(dit, placed, **inputs)
+            backend.run_device(dit, placed, **inputs)
+            per_model.append(len(GRAPHS) - before)
+        # every model again, warm: nothing compiles, nothing falls back
+        before = len(GRAPHS)
+        for dit, placed in dits:
+            backend.run_device(dit, placed, **inputs)
+        warm = len(GRAPHS) - before
+        first, placed = dits[0]
+        backend.release(first)
+        before = len(GRAPHS)
+        backend.run_device(first, placed, **inputs)
+        again = len(GRAPHS) - before
+        # one model's input signatures past dynamo's limit: an error, not a silent uncompiled forward
+        torch._dynamo.config.recompile_limit = 1
+        other = dit_inputs("t2v-a14b", LatentShape(1, 32, 32))
+        try:
+            backend.run_device(dits[1][0], dits[1][1], **other)
+            over_limit = None
+        except Exception as e:  # noqa: BLE001
+            over_limit = f"{type(e).__name__}: {e}"
+    return {"per_model": per_model, "warm": warm, "after_release": again, "compiles": backend.compiles,
+            "dropped": backend.dropped_entries, "over_limit": over_limit,
+            "options": OPTIONS, "limit_hits": {str(k): v for k, v in torch._dynamo.utils.counters["stats"].items()}}
+
+
+if __name__ == "__main__":
+    n, *cases = sys.argv[1:]
+    result = {"cases": graphs(cases), "models": models(int(n)) if int(n) else None}
+    print("RESULT " + json.dumps(result))
