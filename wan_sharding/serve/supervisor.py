@@ -33,6 +33,7 @@ from .store import Store
 WORKER = "wan_sharding.serve.worker"
 CANCEL_GRACE_S = 30.0  # a worker that does not stop within this after SIGUSR1 is replaced
 MAX_FAILED_STARTS = 3  # consecutive failed replacements before the server reports itself broken
+HUNG = "(hung)"
 HISTOGRAM_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
@@ -162,7 +163,7 @@ class Supervisor:
     # ---- the supervisor thread -----------------------------------------------------------------
 
     def _loop(self) -> None:
-        failed_starts = 0
+        failed_starts = 0  # in a row; a first start is retried only when the worker hung
         while not self._stopping.is_set():
             if self._worker is None:
                 error = self._start_worker()
@@ -172,7 +173,8 @@ class Supervisor:
                 failed_starts += 1
                 if self._stopping.is_set():
                     return
-                if not self.ever_ready or failed_starts >= MAX_FAILED_STARTS:
+                hung = error.endswith(HUNG)  # the jaxlib start-up deadlock: a fresh process runs normally
+                if failed_starts >= MAX_FAILED_STARTS or not (self.ever_ready or hung):
                     self.broken = f"the worker could not be started: {error}"
                     self.state, self.reason = "broken", self.broken
                     self.on_broken(self.reason)
@@ -214,7 +216,7 @@ class Supervisor:
                 if now_ticks != ticks:
                     ticks, moved = now_ticks, time.monotonic()
                 elif self.stall_s is not None and time.monotonic() - moved > self.stall_s:
-                    return f"the worker made no progress for {self.stall_s:.0f} s while warming up (hung)"
+                    return f"the worker made no progress for {self.stall_s:.0f} s while warming up {HUNG}"
                 continue
             if ev is None:
                 worker.proc.wait()
@@ -255,7 +257,6 @@ class Supervisor:
                     last_sign = now
                     if self._finished(job_id, ev):
                         return
-                    continue
                 now_ticks = cpu_ticks(worker.proc.pid)
                 if now_ticks != ticks:
                     ticks, last_sign = now_ticks, now
