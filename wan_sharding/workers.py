@@ -23,6 +23,11 @@ What the parent guarantees:
   :func:`install_signal_handlers` ran); the worker also asks the kernel to kill it if the parent
   dies without cleaning up (``PR_SET_PDEATHSIG``, Linux).
 
+A long-lived worker (the model process behind ``wan-sharding serve``) is started with
+:func:`start_resident_worker` and stopped with :func:`stop_worker`, with the same process group
+and parent-death guarantees; its side is :func:`resident_worker_main` (a configuration line, then
+one request per stdin line, ``RESULT`` lines back).
+
 Files a job writes go through :func:`atomic_write` (a temporary name, renamed when complete), so an
 interrupted job leaves no half-written file that looks complete.
 """

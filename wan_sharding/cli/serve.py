@@ -43,9 +43,17 @@ def check_serve(args: argparse.Namespace) -> None:
                          f"(or set {API_KEY_ENV}), or keep the default --host 127.0.0.1")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _validate_serve(args: argparse.Namespace) -> None:
     apply_plan(args, "2x4")
     check_serve(args)
+
+
+def _validate_submit(args: argparse.Namespace) -> None:
+    output_dir(args.out, "--out")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _validate_serve(args)
     if stack_missing([args.backend]):
         return 1
     from ..serve.server import serve
@@ -56,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from ..serve.client import Client, ServeError
 
-    output_dir(args.out, "--out")
+    _validate_submit(args)
     client = Client(args.server, api_key=args.api_key)
     fields = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
                   seed=args.seed, guidance_scale=args.guidance_scale, num_frames=args.frames, height=args.height,
@@ -140,7 +148,7 @@ def add_subcommands(sub: Any) -> None:
                    help="jobs database and videos; a server restarted on it serves them again (default results/serve)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                                      "(default: $WAN_SHARDING_API_KEY)")
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_serve, validate=_validate_serve)
 
     c = sub.add_parser("submit", help="send a job to `wan-sharding serve`, show its progress, download the video",
                        description="The client of `wan-sharding serve` (also wan_sharding.serve.Client).")
@@ -157,4 +165,4 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("--guidance-scale", type=float, default=4.0)
     c.add_argument("--out", default="results/submit", help="directory for the downloaded video")
     c.add_argument("--detach", action="store_true", help="print the job id once queued and exit (no download)")
-    c.set_defaults(func=_submit)
+    c.set_defaults(func=_submit, validate=_validate_submit)

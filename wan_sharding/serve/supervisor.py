@@ -17,6 +17,7 @@ and stays warm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -65,8 +66,9 @@ class _Worker:
             if line.startswith(RESULT_PREFIX):
                 self.events.put(json.loads(line[len(RESULT_PREFIX):]))
             else:
-                log.write(line)
-                log.flush()
+                with contextlib.suppress(ValueError):  # the log is closed once the server stopped
+                    log.write(line)
+                    log.flush()
         self.events.put(None)
 
     def send(self, job: dict[str, Any]) -> None:
