@@ -23,8 +23,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOPICS = ["check.md", "pipelines.md", "caching.md", "compile-only.md", "tt-backend.md", "patches.md", "planner.md",
           "meshes.md", "bad-inputs.md", "design.md", "hardware-facts.md", "tt-mlir-notes.md", "results.md",
           "layout.md"]
-# Where `generate` writes by default (its --out): named in example output, made by the command.
-OUTPUT_DIRS = ("results/generate/",)
+# Where commands write by default (generate's and submit's --out, serve's --store): named in
+# example output, made by the command.
+OUTPUT_DIRS = ("results/generate/", "results/submit", "results/serve")
 
 
 def _code_blocks(text: str) -> list[str]:
@@ -49,6 +50,8 @@ def _command_lines(text: str) -> list[str]:
         cmd = re.sub(r"^\S*/wan-sharding", "wan-sharding", cmd)
         if "<" in cmd or cmd.split()[1:2] in (["<command>"], ["..."]):
             continue  # a pattern (`wan-sharding <command>: error: ...`), not a command line
+        if re.match(r"^wan-sharding(?: [a-z]+)?: ", cmd):
+            continue  # a line the command prints (`wan-sharding serve: listening on ...`)
         out.append(cmd)
     return out
 
