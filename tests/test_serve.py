@@ -306,7 +306,7 @@ def test_ctrl_c_restart_on_the_same_store_and_a_killed_server(server, store, ref
         slow = second.post({**LONG, "num_inference_steps": 5000}).json()
         failed = second.wait(slow["id"], until=("failed",), timeout=60)
         assert failed["error"] == "ran past --job-timeout 6 s and was stopped; the worker was replaced"
-        assert 6 <= failed["timings"]["run_seconds"] < 10
+        assert 6 <= failed["timings"]["run_seconds"] < 15
         second.wait_healthy()
 
         # SIGKILL of the server itself with a job running: its worker dies with it, the job stays "running".
