@@ -294,7 +294,7 @@ def test_ctrl_c_restart_on_the_same_store_and_a_killed_server(server, store, ref
     _no_partial_files(store)
 
     # A second server on the store lists every job and serves every finished video, even while warming.
-    second = Server(store, "--job-timeout", "6")
+    second = Server(store, "--job-timeout", "6", "--stall-timeout", "5")
     try:
         now = {j["id"]: j["status"] for j in second.http.get("/v1/videos/jobs").json()["data"]}
         assert set(now) == set(listed) and now[running["id"]] == "failed"
@@ -302,12 +302,25 @@ def test_ctrl_c_restart_on_the_same_store_and_a_killed_server(server, store, ref
         assert second.wait(queued["id"], timeout=240)["status"] == "completed"  # queued before the restart
         assert second.http.get(f"{G}/{queued['id']}/download").content == reference["video"]
 
-        # A job past --job-timeout fails at the limit; the worker is replaced.
+        # A job past --job-timeout fails at the limit; the worker stops it and serves on, warm.
+        pid = second.wait_healthy()["worker_pid"]
         slow = second.post({**LONG, "num_inference_steps": 5000}).json()
         failed = second.wait(slow["id"], until=("failed",), timeout=60)
-        assert failed["error"] == "ran past --job-timeout 6 s and was stopped; the worker was replaced"
+        assert failed["error"] == "ran past --job-timeout 6 s and was stopped"
         assert 6 <= failed["timings"]["run_seconds"] < 15
-        second.wait_healthy()
+        again = second.post(REQUEST).json()
+        assert second.wait(again["id"], timeout=30)["status"] == "completed"
+        health = second.wait_healthy()
+        assert health["worker_pid"] == pid and health["worker_restarts"] == 0
+
+        # A worker that stops reporting progress (SIGSTOP: no step ends, no CPU used) is hung: replaced.
+        hung = second.post(LONG).json()
+        second.wait(hung["id"], until=("running",), progress=1)
+        os.kill(pid, signal.SIGSTOP)
+        failed = second.wait(hung["id"], until=("failed",), timeout=30)
+        assert failed["error"] == "the worker stopped reporting progress for 5 s (hung); it was replaced"
+        health = second.wait_healthy()
+        assert health["worker_pid"] != pid and health["worker_restarts"] == 1
 
         # SIGKILL of the server itself with a job running: its worker dies with it, the job stays "running".
         dying = second.post({**LONG, "num_inference_steps": 5000}).json()

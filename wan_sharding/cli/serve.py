@@ -144,6 +144,9 @@ def add_subcommands(sub: Any) -> None:
                    help="jobs that may wait; more get 429 with Retry-After (default 8)")
     s.add_argument("--job-timeout", type=positive_float, default=600.0, metavar="S",
                    help="seconds a job may run before it fails and the worker is replaced (default 600)")
+    s.add_argument("--stall-timeout", type=positive_float, metavar="S",
+                   help="seconds without a finished step and without CPU use before a worker counts as hung and is "
+                        "replaced (default 90 on CPU backends; never on tt, whose worker waits on its chips)")
     s.add_argument("--store", default="results/serve", metavar="DIR",
                    help="jobs database and videos; a server restarted on it serves them again (default results/serve)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "

@@ -84,7 +84,8 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
     config["defaults"] = defaults
     devices = plan_devices(p["plan"]) if p.get("plan") else num_devices([p["mesh"]])
     sup = Supervisor(store, config, worker_env(p["backend"], devices), queue_size=p["queue"],
-                     job_timeout=p["job_timeout"], stall_s=stall_seconds(p["backend"]), say=_flushing(say))
+                     job_timeout=p["job_timeout"],
+                     stall_s=p.get("stall_timeout") or stall_seconds(p["backend"]), say=_flushing(say))
     app = create_app(sup, defaults={k: defaults[k] for k in ("num_inference_steps", "num_frames", "height", "width")},
                      variant=p["variant"], model=p.get("model"), cache=p.get("cache") or "none",
                      api_key=p.get("api_key"))

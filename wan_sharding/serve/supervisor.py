@@ -6,13 +6,13 @@ worker replacement and a server restart. One thread (:class:`Supervisor`) starts
 and follows its progress. A job is ``failed`` with a one-line error, and the worker replaced (a
 new process, built, sharded and warmed up again) while the queue waits, when:
 
-- it runs past ``job_timeout`` seconds;
 - the worker dies (killed, crashed): its stdout closes;
 - the worker stops reporting progress: no step finished and no CPU time used for ``stall_s``
   seconds (the same rule as the one-shot runner's watchdog, ``wan_sharding.workers``).
 
-Cancelling a running job signals the worker (SIGUSR1), which stops at the end of the current step
-and stays warm.
+A job past ``job_timeout`` seconds is ``failed`` at the limit and the worker is asked to stop it;
+cancelling a running job asks the same: a SIGUSR1, on which the worker stops at the end of the
+current step and stays warm. A worker that has not stopped within ``CANCEL_GRACE_S`` is replaced.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class Supervisor:
         self.on_broken: Callable[[str], None] = lambda reason: None
         self._worker: _Worker | None = None
         self._cancel: set[str] = set()
+        self._timed_out: set[str] = set()
         self._wake = threading.Condition()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="serve-supervisor", daemon=True)
@@ -262,19 +263,24 @@ class Supervisor:
                 now_ticks = cpu_ticks(worker.proc.pid)
                 if now_ticks != ticks:
                     ticks, last_sign = now_ticks, now
-                if now - started > self.job_timeout:
-                    return self._replace(job_id, f"ran past --job-timeout {self.job_timeout:g} s and was stopped; "
-                                                 "the worker was replaced")
                 if self.stall_s is not None and now - last_sign > self.stall_s:
-                    return self._replace(job_id, f"the worker stopped reporting progress for {self.stall_s:.0f} s "
+                    return self._replace(job_id, f"the worker stopped reporting progress for {self.stall_s:g} s "
                                                  "(hung); it was replaced")
-                if job_id in self._cancel and cancel_sent is None:
+                if now - started > self.job_timeout and job_id not in self._timed_out:
+                    # Failed at the limit; the worker is asked to stop at its step's end and stays warm
+                    # (replaced only if it does not stop within CANCEL_GRACE_S).
+                    self._timed_out.add(job_id)
+                    error = f"ran past --job-timeout {self.job_timeout:g} s and was stopped"
+                    self.store.finish(job_id, "failed", error=error)
+                    self.say(f"wan-sharding serve: job {job_id} failed: {error}")
+                if (job_id in self._cancel or job_id in self._timed_out) and cancel_sent is None:
                     cancel_sent = now
                     os.kill(worker.proc.pid, signal.SIGUSR1)
                 elif cancel_sent is not None and now - cancel_sent > CANCEL_GRACE_S:
                     return self._replace(job_id, None)
         finally:
             self._cancel.discard(job_id)
+            self._timed_out.discard(job_id)
             self.running = None
 
     def _finished(self, job_id: str, ev: dict[str, Any]) -> bool:
@@ -285,10 +291,12 @@ class Supervisor:
             return False
         if kind == "completed":
             self.store.progress(job_id, len(ev["step_seconds"]), len(ev["step_seconds"]))
-            self.store.finish(job_id, "completed", video=ev["video"], result=ev)
-            self.job_seconds.append(ev["seconds"])
-            self.say(f"wan-sharding serve: job {job_id} completed in {ev['seconds']:.2f} s")
-        elif kind == "cancelled":
+            if self.store.finish(job_id, "completed", video=ev["video"], result=ev):
+                self.job_seconds.append(ev["seconds"])
+                self.say(f"wan-sharding serve: job {job_id} completed in {ev['seconds']:.2f} s")
+            else:  # it finished as its timeout hit: failed already; its video is not served
+                (self.store.videos / ev["video"]).unlink(missing_ok=True)
+        elif kind == "cancelled":  # by a user, or at the job timeout (then already failed)
             self.store.finish(job_id, "cancelled")
         else:
             self.store.finish(job_id, "failed", error=ev.get("error", "the worker reported a failure"))
