@@ -53,6 +53,7 @@ class Resident:
         self.pipe.set_progress_bar_config(disable=True)
         self.variant = config["variant"] if self.tiny else pipeline_variant(self.pipe)
         self.cache = config.get("cache") or "none"
+        self.cache_steps: int | None = None  # the step count the enabled cache is set up for
         self.mag_ratios = None
         if self.cache == "mag":  # calibrated unsharded for the default step count (as generate does)
             from ..caching import calibrate_pipeline_mag_ratios
@@ -109,18 +110,24 @@ class Resident:
             return {}
 
         if self.cache != "none":
-            from ..caching import enable_pipeline_cache
-
-            enable_pipeline_cache(self.pipe, self.cache, steps, mag_ratios=self.mag_ratios)
-        try:
-            start = time.perf_counter()
-            out = self.pipe(**self.kwargs(req), output_type="np", callback_on_step_end=on_step)
-        finally:
-            if self.cache != "none":
-                from ..caching import disable_pipeline_cache
-
-                disable_pipeline_cache(self.pipe)
+            self._cache_for(steps)
+        start = time.perf_counter()
+        out = self.pipe(**self.kwargs(req), output_type="np", callback_on_step_end=on_step)
         return out.frames[0], [b - a for a, b in zip([start] + marks[:-1], marks)]
+
+    def _cache_for(self, steps: int) -> None:
+        """The step cache set up for a run of ``steps`` steps, its state cleared: kept enabled
+        between requests of the same step count (re-enabling would compile its pieces again)."""
+        from ..caching import disable_pipeline_cache, enable_pipeline_cache, reset_pipeline_cache
+
+        if self.cache_steps == steps:
+            reset_pipeline_cache(self.pipe)
+            return
+        if self.cache_steps is not None:
+            disable_pipeline_cache(self.pipe)
+            self.cache_steps = None
+        enable_pipeline_cache(self.pipe, self.cache, steps, mag_ratios=self.mag_ratios)
+        self.cache_steps = steps
 
 
 def _setup(config: dict[str, Any]) -> Resident:
