@@ -143,7 +143,7 @@ def add_subcommands(sub: Any) -> None:
     s.add_argument("--queue", type=positive_int, default=8, metavar="N",
                    help="jobs that may wait; more get 429 with Retry-After (default 8)")
     s.add_argument("--job-timeout", type=positive_float, default=600.0, metavar="S",
-                   help="seconds a job may run before it fails and the worker is replaced (default 600)")
+                   help="seconds a job may run: then it fails and the worker stops it at its step's end (default 600)")
     s.add_argument("--stall-timeout", type=positive_float, metavar="S",
                    help="seconds without a finished step and without CPU use before a worker counts as hung and is "
                         "replaced (default 90 on CPU backends; never on tt, whose worker waits on its chips)")

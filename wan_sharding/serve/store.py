@@ -135,13 +135,13 @@ class Store:
             row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
         return None if row is None else _job(row)
 
-    def list(self, status: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
-        """Jobs, oldest first (optionally only those with ``status``)."""
+    def list(self, status: str | None = None) -> list[dict[str, Any]]:
+        """Every job, oldest first (optionally only those with ``status``)."""
         query, args = "SELECT * FROM jobs", ()
         if status is not None:
             query, args = query + " WHERE status=?", (status,)
         with self._lock:
-            rows = self._db.execute(query + " ORDER BY created, rowid LIMIT ?", (*args, limit)).fetchall()
+            rows = self._db.execute(query + " ORDER BY created, rowid", args).fetchall()
         return [_job(r) for r in rows]
 
     def queued_ids(self) -> list[str]:

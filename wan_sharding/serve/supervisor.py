@@ -178,7 +178,7 @@ class Supervisor:
                     return
                 hung = error.endswith(HUNG)  # the jaxlib start-up deadlock: a fresh process runs normally
                 if failed_starts >= MAX_FAILED_STARTS or not (self.ever_ready or hung):
-                    self.broken = f"the worker could not be started: {error}"
+                    self.broken = f"the worker could not be started: {error}; its log: {self._log.name}"
                     self.state, self.reason = "broken", self.broken
                     self.on_broken(self.reason)
                     return
@@ -223,8 +223,7 @@ class Supervisor:
                 continue
             if ev is None:
                 worker.proc.wait()
-                return f"the worker ended while warming up ({_signal_name(worker.proc.returncode)}); its log: " \
-                       f"{self._log.name}"
+                return f"the worker ended while warming up ({_signal_name(worker.proc.returncode)})"
             if ev.get("event") == "failed_start":
                 return ev["error"]
             if ev.get("event") == "ready":
