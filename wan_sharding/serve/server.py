@@ -50,7 +50,6 @@ def bind(host: str, port: int) -> socket.socket:
         raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port, or "
                          "stop what holds it") from None
     sock.listen(128)
-    sock.set_inheritable(True)
     return sock
 
 
