@@ -22,7 +22,7 @@ BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs 
 
 def worker_params(args: argparse.Namespace) -> dict[str, Any]:
     """The command's options as the worker's JSON parameters (a plan as its dict)."""
-    out = {k: v for k, v in vars(args).items() if k != "func"}
+    out = {k: v for k, v in vars(args).items() if k not in ("func", "validate")}  # the command's functions
     if args.plan is not None:
         out.update(plan=args.plan.to_dict(), plan_name=args.plan.name)
     return out
