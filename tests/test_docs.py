@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages a user reads for one topic: each linked from the README and from docs/README.md.
 TOPICS = ["check.md", "pipelines.md", "caching.md", "compile-only.md", "tt-backend.md", "patches.md", "planner.md",
-          "meshes.md", "bad-inputs.md", "design.md", "hardware-facts.md", "tt-mlir-notes.md", "results.md",
+          "meshes.md", "serving.md", "bad-inputs.md", "design.md", "hardware-facts.md", "tt-mlir-notes.md", "results.md",
           "layout.md"]
-# What commands write (named in example output, made by the command, not kept in git): `generate`'s
-# default --out, and the report `pytest -m tt` writes on hardware.
-OUTPUT_DIRS = ("results/generate/", "results/tt-first-run-")
+# What commands write (named in example output, made by the command, not kept in git): generate's
+# and submit's default --out, serve's --store, and the report `pytest -m tt` writes on hardware.
+OUTPUT_DIRS = ("results/generate/", "results/submit", "results/serve", "results/tt-first-run-")
 
 
 def _code_blocks(text: str) -> list[str]:
@@ -50,6 +50,8 @@ def _command_lines(text: str) -> list[str]:
         cmd = re.sub(r"^\S*/wan-sharding", "wan-sharding", cmd)
         if "<" in cmd or cmd.split()[1:2] in (["<command>"], ["..."]):
             continue  # a pattern (`wan-sharding <command>: error: ...`), not a command line
+        if re.match(r"^wan-sharding(?: [a-z]+)?: ", cmd):
+            continue  # a line the command prints (`wan-sharding serve: listening on ...`)
         out.append(cmd)
     return out
 

@@ -23,6 +23,11 @@ What the parent guarantees:
   :func:`install_signal_handlers` ran); the worker also asks the kernel to kill it if the parent
   dies without cleaning up (``PR_SET_PDEATHSIG``, Linux).
 
+A long-lived worker (the model process behind ``wan-sharding serve``) is started with
+:func:`start_resident_worker` and stopped with :func:`stop_worker`, with the same process group
+and parent-death guarantees; its side is :func:`resident_worker_main` (a configuration line, then
+one request per stdin line, ``RESULT`` lines back).
+
 Files a job writes go through :func:`atomic_write` (a temporary name, renamed when complete), so an
 interrupted job leaves no half-written file that looks complete.
 """
@@ -105,7 +110,7 @@ def install_signal_handlers() -> None:
             signal.signal(sig, _raise)
 
 
-def _cpu_ticks(pid: int) -> int | None:
+def cpu_ticks(pid: int) -> int | None:
     """utime + stime of ``pid`` in clock ticks (Linux /proc), or None where unavailable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -119,11 +124,11 @@ def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float | None,
     """Kill ``proc`` past ``timeout``, or when its CPU time has not moved for ``stall_s`` (a
     deadlocked process uses no CPU; a slow or starved one still does; ``None``: never)."""
     start = last_change = time.monotonic()
-    last = _cpu_ticks(proc.pid)
+    last = cpu_ticks(proc.pid)
     while proc.poll() is None:
         time.sleep(1.0)
         now = time.monotonic()
-        ticks = _cpu_ticks(proc.pid)
+        ticks = cpu_ticks(proc.pid)
         if ticks is None or ticks != last:
             last, last_change = ticks, now
         if ticks is not None and stall_s is not None and now - last_change > stall_s:
@@ -184,6 +189,39 @@ def run_worker(module: str, params: Any, env: Mapping[str, str] | None = None, *
     return run
 
 
+def _start(cmd: list[str], env: Mapping[str, str], stderr: IO[str] | int | None, label: str) -> subprocess.Popen:
+    """Start a worker in its own process group (so its whole group can be killed), registered
+    for the at-exit cleanup."""
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                text=True, errors="replace", start_new_session=True)
+    except OSError as e:
+        raise WorkerError(f"cannot start {label} ({' '.join(cmd)}): {e}") from e
+    with _LIVE_LOCK:
+        _LIVE.add(proc)
+    return proc
+
+
+def start_resident_worker(module: str, env: Mapping[str, str] | None = None, *, label: str,
+                          stderr: IO[str] | int | None = None, python: str | None = None) -> subprocess.Popen:
+    """Start ``python -m module`` as a long-lived worker that the caller talks to over its stdin and
+    stdout (one JSON line per request, ``RESULT`` lines back), with the guarantees of
+    :func:`run_worker`: its own process group, killed at exit or by :func:`stop_worker`, and dying
+    with its parent. Call it from a thread that outlives the worker: the kernel's parent-death
+    signal fires when the *thread* that started the worker ends. ``stderr``: where the worker's
+    stderr goes (default: ours)."""
+    child_env = dict(os.environ if env is None else env)
+    child_env[PARENT_ENV] = str(os.getpid())
+    return _start([python or sys.executable, "-m", module], child_env, stderr, label)
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    """Kill a worker and its process group (nothing when it already ended) and forget it."""
+    _kill_group(proc)
+    with _LIVE_LOCK:
+        _LIVE.discard(proc)
+
+
 def _run_once(cmd: list[str], payload: str, env: dict[str, str], label: str, echo: bool, merge: bool,
               log_file: str | os.PathLike[str] | None, timeout: float | None, stall_s: float | None) -> WorkerRun:
     # Unmerged stderr goes to ours (echo) or to a file, never a pipe we do not read: a chatty
@@ -191,13 +229,7 @@ def _run_once(cmd: list[str], payload: str, env: dict[str, str], label: str, ech
     err: IO[str] | int | None
     err = subprocess.STDOUT if merge else (None if echo else tempfile.TemporaryFile(mode="w+"))
     log = open(log_file, "w") if log_file is not None else None
-    try:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                text=True, errors="replace", start_new_session=True)
-    except OSError as e:
-        raise WorkerError(f"cannot start {label} ({' '.join(cmd)}): {e}") from e
-    with _LIVE_LOCK:
-        _LIVE.add(proc)
+    proc = _start(cmd, env, err, label)
     state: dict[str, bool] = {}
     results: list[dict[str, Any]] = []
     lines: list[str] = []
@@ -218,9 +250,7 @@ def _run_once(cmd: list[str], payload: str, env: dict[str, str], label: str, ech
                 print(line, end="", flush=True)
         proc.wait()
     finally:
-        _kill_group(proc)  # no-op after a normal exit; Ctrl-C or an exception lands here too
-        with _LIVE_LOCK:
-            _LIVE.discard(proc)
+        stop_worker(proc)  # no-op after a normal exit; Ctrl-C or an exception lands here too
         if log is not None:
             log.close()
     output = "".join(lines)
@@ -248,6 +278,18 @@ def _die_with_parent() -> None:
         parent = os.environ.get(PARENT_ENV)
         if parent and os.getppid() != int(parent):  # the parent died before the request took
             os._exit(1)
+
+
+def resident_worker_main(setup: Callable[[Any], Any], handle: Callable[[Any, Any], None]) -> int:
+    """The worker side of :func:`start_resident_worker`: the first stdin line is the configuration,
+    ``setup(config)`` builds the state (it may :func:`emit` as it goes); then every further line is
+    a request, ``handle(state, request)``, until stdin closes. The worker dies with its parent."""
+    _die_with_parent()
+    state = setup(json.loads(sys.stdin.readline() or "null"))
+    for line in sys.stdin:
+        if line.strip():
+            handle(state, json.loads(line))
+    return 0
 
 
 def emit(result: Mapping[str, Any]) -> None:

@@ -24,6 +24,7 @@ from . import check as check_commands
 from . import compile as compile_commands
 from . import pipeline as pipeline_commands
 from . import plan as plan_commands
+from . import serve as serve_commands
 from .validate import UsageError, join_negative_values
 
 EXIT_USAGE = 2
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok; 1 a check or worker failed; 2 usage error; 130 interrupted (workers stopped). "
                f"--debug (anywhere) or {DEBUG_ENV}=1: Python tracebacks with errors")
     sub = ap.add_subparsers(dest="command")
-    for commands in (check_commands, compile_commands, plan_commands, pipeline_commands):
+    for commands in (check_commands, compile_commands, plan_commands, pipeline_commands, serve_commands):
         commands.add_subcommands(sub)
     return ap
 

@@ -20,9 +20,9 @@ from .validate import apply_plan, check_generate, check_profile
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
 
 
-def _params(args: argparse.Namespace) -> dict[str, Any]:
+def worker_params(args: argparse.Namespace) -> dict[str, Any]:
     """The command's options as the worker's JSON parameters (a plan as its dict)."""
-    out = {k: v for k, v in vars(args).items() if k != "func"}
+    out = {k: v for k, v in vars(args).items() if k not in ("func", "validate")}  # the command's functions
     if args.plan is not None:
         out.update(plan=args.plan.to_dict(), plan_name=args.plan.name)
     return out
@@ -42,7 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
     _validate_generate(args)
     if stack_missing([args.backend]):
         return 1
-    run = run_generate(_params(args))
+    run = run_generate(worker_params(args))
     if not run.ok:
         return run.returncode
     return 0 if run.results[-1].get("pcc_ok", True) else 1
@@ -52,7 +52,7 @@ def _profile(args: argparse.Namespace) -> int:
     _validate_profile(args)
     if stack_missing([args.backend]):
         return 1
-    run = run_profile(_params(args), echo=not args.json)
+    run = run_profile(worker_params(args), echo=not args.json)
     if not run.ok:
         if args.json:
             print(run.output[-4000:], file=sys.stderr)

@@ -136,13 +136,16 @@ def video_factors(variant: str, model: str | None) -> tuple[int, int]:
     return int(vae.get("scale_factor_temporal") or 4), max(16, int(vae.get("scale_factor_spatial") or 8) * int(patch[1]))
 
 
-def check_video(frames_: int | None, height: int | None, width: int | None, variant: str, model: str | None) -> None:
-    """Frames of the 4k+1 form and sizes the pipeline can patchify without rounding them."""
+def check_video(frames_: int | None, height: int | None, width: int | None, variant: str, model: str | None,
+                names: tuple[str, str, str] = ("--frames", "--height", "--width")) -> None:
+    """Frames of the 4k+1 form and sizes the pipeline can patchify without rounding them. ``names``:
+    what the messages call frames, height and width (the flags; the server's API fields)."""
     temporal, multiple = video_factors(variant, model)
     if frames_ is not None and (frames_ - 1) % temporal:
         low = (frames_ - 1) // temporal * temporal + 1
-        raise UsageError(f"--frames {frames_}: this pipeline needs {temporal}k+1 frames; use {low} or {low + temporal}")
-    for flag, value in (("--height", height), ("--width", width)):
+        raise UsageError(f"{names[0]} {frames_}: this pipeline needs {temporal}k+1 frames; use {low} or "
+                         f"{low + temporal}")
+    for flag, value in zip(names[1:], (height, width)):
         if value is not None and value % multiple:
             low = value // multiple * multiple
             fix = f"{low} or {low + multiple}" if low else str(multiple)
@@ -284,13 +287,17 @@ def _option(flag: str, check, value: Any) -> Any:
         raise UsageError(f"{flag} {value}: {e}") from None
 
 
+def check_counts(counts: dict[str, Any]) -> None:
+    """Each count given (``{name: value}``, ``None``: not given) is a whole number >= 1."""
+    for name, value in counts.items():
+        if value is not None:
+            _option(name, positive_int, value)
+
+
 def check_generate(args: argparse.Namespace) -> None:
     """``generate``: counts >= 1, a checkpoint that loads, frames/sizes the pipeline takes as they
     are, and an output directory that can be written."""
-    _option("--steps", positive_int, args.steps)
-    for flag in ("frames", "height", "width"):
-        if getattr(args, flag) is not None:
-            _option(f"--{flag}", positive_int, getattr(args, flag))
+    check_counts({f"--{flag}": getattr(args, flag) for flag in ("steps", "frames", "height", "width")})
     if args.model is not None:
         model_dir(args.model)
     check_video(args.frames, args.height, args.width, args.variant, args.model)

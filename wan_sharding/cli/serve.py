@@ -1,0 +1,171 @@
+"""``serve`` and ``submit``: a resident sharded pipeline behind an HTTP API, and its client
+(the work: ``wan_sharding.serve``; docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..models import VARIANTS
+from ..options import EXECUTING_BACKENDS
+from .args import add_cache, add_dtype, add_mesh, add_padding, add_patches, add_plan, stack_missing
+from .pipeline import BACKEND_HELP, worker_params
+from .validate import (
+    UsageError,
+    apply_plan,
+    check_counts,
+    check_video,
+    model_dir,
+    output_dir,
+    positive_float,
+    positive_int,
+)
+
+DEFAULT_PORT = 8765
+
+
+def check_serve(args: argparse.Namespace) -> None:
+    """``serve``: the checks of ``generate`` on the request defaults, a writable store, a port, and
+    an API key whenever the server listens beyond this machine."""
+    from ..serve.server import API_KEY_ENV, api_key_from, is_loopback
+
+    check_counts({f"--{flag}": getattr(args, flag) for flag in ("steps", "frames", "height", "width")})
+    if args.model is not None:
+        model_dir(args.model)
+    check_video(args.frames, args.height, args.width, args.variant, args.model)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: not a TCP port; use 1-65535 (0: any free port)")
+    output_dir(args.store, "--store")
+    args.api_key = api_key_from(args.api_key)
+    if not is_loopback(args.host) and not args.api_key:
+        raise UsageError(f"--host {args.host} reaches beyond this machine, so the API needs a key; pass --api-key KEY "
+                         f"(or set {API_KEY_ENV}), or keep the default --host 127.0.0.1")
+
+
+def _validate_serve(args: argparse.Namespace) -> None:
+    apply_plan(args, "2x4")
+    check_serve(args)
+
+
+def _validate_submit(args: argparse.Namespace) -> None:
+    output_dir(args.out, "--out")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _validate_serve(args)
+    if stack_missing([args.backend]):
+        return 1
+    from ..serve.server import serve
+
+    return serve(worker_params(args))
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from ..serve.client import Client, ServeError
+
+    _validate_submit(args)
+    client = Client(args.server, api_key=args.api_key)
+    fields = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
+                  seed=args.seed, guidance_scale=args.guidance_scale, num_frames=args.frames, height=args.height,
+                  width=args.width)
+    try:
+        job = client.submit(**fields)
+    except ServeError as e:
+        if e.status == 422:
+            raise UsageError(str(e).split(": ", 1)[1]) from None
+        print(f"wan-sharding submit: error: {e}", file=sys.stderr)
+        return 1
+    print(f"job {job['id']} queued on {args.server}", flush=True)
+    if args.detach:
+        return 0
+    try:
+        job = client.wait(job["id"], on_progress=_progress_bar())
+    except KeyboardInterrupt:
+        client.cancel(job["id"])
+        print(f"wan-sharding submit: interrupted; job {job['id']} was cancelled on the server", file=sys.stderr)
+        raise
+    except ServeError as e:
+        print(f"wan-sharding submit: error: {e}", file=sys.stderr)
+        return 1
+    if job["status"] != "completed":
+        print(f"wan-sharding submit: error: job {job['id']} {job['status']}: {job.get('error') or ''}".rstrip(": "),
+              file=sys.stderr)
+        return 1
+    path = client.download(job["id"], args.out)
+    t = job["timings"]
+    print(f"job {job['id']} completed: {path} ({job['progress']['total']} steps, ran {t.get('run_seconds', 0):.2f} s "
+          f"after {t.get('queued_seconds', 0):.2f} s queued)", flush=True)
+    return 0
+
+
+def _progress_bar() -> Any:
+    """``on_progress`` for :meth:`Client.wait`: a tqdm bar on stderr from the job's ``progress``."""
+    from tqdm import tqdm
+
+    bar: dict[str, Any] = {}
+
+    def update(job: dict[str, Any]) -> None:
+        done, total = job["progress"]["done"], job["progress"]["total"]
+        if "bar" not in bar:
+            bar["bar"] = tqdm(total=total, unit="step", desc="queued", file=sys.stderr)
+        b = bar["bar"]
+        b.set_description(job["status"])
+        b.update(done - b.n)
+        if job["status"] in ("completed", "failed", "cancelled"):
+            b.close()
+
+    return update
+
+
+def add_subcommands(sub: Any) -> None:
+    """Add ``serve`` and ``submit``."""
+    s = sub.add_parser("serve", help="serve the sharded pipeline over HTTP: one resident worker, a queue, recovery",
+                       description="An HTTP server (docs/serving.md) in front of one resident worker that loads and "
+                                   "shards the pipeline once and warms it up before accepting jobs.")
+    add_mesh(s, None, help="mesh preset (default 2x4, or the plan's)")
+    add_plan(s)
+    s.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
+    s.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
+                   help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
+    s.add_argument("--model", help="a local diffusers Wan 2.2 checkpoint directory (needs transformers)")
+    add_padding(s, None)
+    add_patches(s)
+    add_cache(s)
+    add_dtype(s, None, help="default: fp32 tiny, bf16 with --model")
+    s.add_argument("--steps", type=int, default=4, help="steps of a request that leaves them out, and of the warm-up")
+    s.add_argument("--frames", type=int, help="frames of a request that leaves them out (default: generate's)")
+    s.add_argument("--height", type=int, help="height of a request that leaves it out (default: generate's)")
+    s.add_argument("--width", type=int, help="width of a request that leaves it out (default: generate's)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other needs "
+                                                       "--api-key)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: a free one)")
+    s.add_argument("--queue", type=positive_int, default=8, metavar="N",
+                   help="jobs that may wait; more get 429 with Retry-After (default 8)")
+    s.add_argument("--job-timeout", type=positive_float, default=600.0, metavar="S",
+                   help="seconds a job may run: then it fails and the worker stops it at its step's end (default 600)")
+    s.add_argument("--stall-timeout", type=positive_float, metavar="S",
+                   help="seconds without a finished step and without CPU use before a worker counts as hung and is "
+                        "replaced (default 90 on CPU backends; never on tt, whose worker waits on its chips)")
+    s.add_argument("--store", default="results/serve", metavar="DIR",
+                   help="jobs database and videos; a server restarted on it serves them again (default results/serve)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                                     "(default: $WAN_SHARDING_API_KEY)")
+    s.set_defaults(func=_serve, validate=_validate_serve)
+
+    c = sub.add_parser("submit", help="send a job to `wan-sharding serve`, show its progress, download the video",
+                       description="The client of `wan-sharding serve` (also wan_sharding.serve.Client).")
+    c.add_argument("--server", default=f"http://127.0.0.1:{DEFAULT_PORT}",
+                   help=f"the server's URL (default http://127.0.0.1:{DEFAULT_PORT})")
+    c.add_argument("--api-key", help="the server's key (default: $WAN_SHARDING_API_KEY)")
+    c.add_argument("--prompt", default="a red fox running through fresh snow, golden hour")
+    c.add_argument("--negative-prompt", default="")
+    c.add_argument("--steps", type=positive_int, help="denoising steps (default: the server's)")
+    c.add_argument("--frames", type=positive_int, help="video frames, 4k+1 (default: the server's)")
+    c.add_argument("--height", type=positive_int, help="pixels (default: the server's)")
+    c.add_argument("--width", type=positive_int, help="pixels (default: the server's)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--guidance-scale", type=float, default=4.0)
+    c.add_argument("--out", default="results/submit", help="directory for the downloaded video")
+    c.add_argument("--detach", action="store_true", help="print the job id once queued and exit (no download)")
+    c.set_defaults(func=_submit, validate=_validate_submit)

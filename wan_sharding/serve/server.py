@@ -1,0 +1,133 @@
+"""``wan-sharding serve`` put together: the socket, the store, the supervisor and uvicorn.
+
+:func:`serve` binds the socket first (a port in use is a usage error before any worker starts),
+opens and recovers the store, starts the supervisor (which starts the worker and warms it up) and
+runs uvicorn until Ctrl-C or SIGTERM; then the running job is ``failed`` with that reason, the
+worker is killed and the store is closed, leaving no process and no half-written file behind.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import uvicorn
+
+from ..cli.validate import UsageError
+from .store import Store, StoreBusy
+
+API_KEY_ENV = "WAN_SHARDING_API_KEY"
+DEFAULT_PROMPT = "a red fox running through fresh snow, golden hour"
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: a free one).
+
+    Raises:
+        UsageError: the address cannot be bound (in use, not this machine's).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port, or "
+                         "stop what holds it") from None
+    sock.listen(128)
+    return sock
+
+
+def request_defaults(p: dict[str, Any]) -> dict[str, Any]:
+    """What a request that leaves a field out gets (and what the warm-up runs): the server's
+    ``--steps`` / ``--frames`` / ``--height`` / ``--width``, else ``generate``'s defaults."""
+    from ..pipeline.tiny import VARIANT_PIPELINES
+
+    frames, height, width = VARIANT_PIPELINES[p["variant"]].size if not p.get("model") else (81, 480, 832)
+    return {"prompt": DEFAULT_PROMPT, "negative_prompt": "", "seed": 0, "guidance_scale": 4.0,
+            "num_inference_steps": p["steps"], "num_frames": p.get("frames") or frames,
+            "height": p.get("height") or height, "width": p.get("width") or width}
+
+
+def serve(p: dict[str, Any], say: Any = print) -> int:
+    """Run the server with the options of ``serve`` (``p``) until it is stopped; the exit code."""
+    from ..jobs.launch import num_devices, plan_devices, stall_seconds, worker_env
+    from .app import create_app
+    from .supervisor import Supervisor
+
+    sock = bind(p["host"], p["port"])
+    try:
+        store = Store.open(p["store"])
+    except StoreBusy as e:
+        sock.close()
+        raise UsageError(str(e)) from None
+    host, port = sock.getsockname()[:2]
+    defaults = request_defaults(p)
+    config = {k: p.get(k) for k in ("backend", "mesh", "plan", "padding", "patches", "cache", "dtype", "variant",
+                                    "model")}
+    config["defaults"] = defaults
+    devices = plan_devices(p["plan"]) if p.get("plan") else num_devices([p["mesh"]])
+    sup = Supervisor(store, config, worker_env(p["backend"], devices), queue_size=p["queue"],
+                     job_timeout=p["job_timeout"],
+                     stall_s=p.get("stall_timeout") or stall_seconds(p["backend"]), say=_flushing(say))
+    app = create_app(sup, defaults={k: defaults[k] for k in ("num_inference_steps", "num_frames", "height", "width")},
+                     variant=p["variant"], model=p.get("model"), cache=p.get("cache") or "none",
+                     api_key=p.get("api_key"))
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=5))
+    sup.on_broken = lambda _reason: setattr(server, "should_exit", True)
+    url_host = f"[{host}]" if ":" in host else host
+    mesh = p.get("plan_name") or p["mesh"]
+    say(f"wan-sharding serve: listening on http://{url_host}:{port} (store {p['store']}, queue {p['queue']}, "
+        f"job timeout {p['job_timeout']:g} s{', API key required' if p.get('api_key') else ''}); warming up "
+        f"the {p['backend']} worker on {mesh} (GET /health is 503 until it is ready)")
+    sys.stdout.flush()
+    sup.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        why = f"the server was stopped ({server.stopped_by})" if server.stopped_by else "the server was stopped"
+        sup.stop(why)
+        store.close()
+        sock.close()
+    if sup.broken:
+        print(f"wan-sharding serve: error: {sup.broken}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _flushing(say: Any) -> Any:
+    def out(line: str) -> None:
+        say(line)
+        sys.stdout.flush()
+    return out
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, remembering which signal stopped it (the running job's error names it)."""
+
+    stopped_by: str | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.stopped_by = signal.Signals(sig).name
+        super().handle_exit(sig, frame)
+
+
+def api_key_from(given: str | None) -> str | None:
+    """``--api-key``, else the ``WAN_SHARDING_API_KEY`` environment variable, else None."""
+    return given or os.environ.get(API_KEY_ENV) or None

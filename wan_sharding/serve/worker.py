@@ -1,0 +1,160 @@
+"""The resident model process behind ``wan-sharding serve``: one pipeline, built and sharded once.
+
+Runs as ``python -m wan_sharding.serve.worker`` under :func:`wan_sharding.workers.start_resident_worker`.
+The first stdin line is the configuration (the options of ``serve``); the worker builds (or loads)
+the pipeline, shards every expert once, runs a warm-up generation with the server's default
+request settings (the first call compiles every program those shapes need) and checks its frames
+are finite; then it emits ``{"event": "ready"}``. Each further stdin line is one job; the worker
+answers with ``RESULT`` lines: ``progress`` after every denoising step, then ``completed``,
+``cancelled`` or ``failed``. SIGUSR1 cancels the running job at the end of its current step (the
+pipeline stays usable; the next job runs warm).
+
+The video goes through :func:`wan_sharding.pipeline.write_video` (a temporary name, renamed when
+complete), the same file ``generate`` writes.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..options import torch_dtype
+from ..plan import ShardingPlan
+from ..workers import emit, resident_worker_main
+
+# The tiny pipeline's random weights: those of ``generate --seed 0``, whatever a request's seed.
+WEIGHTS_SEED = 0
+
+
+class Cancelled(Exception):
+    """The running job was cancelled (SIGUSR1)."""
+
+
+class Resident:
+    """The worker's state: the sharded pipeline and what it needs per request."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from ..jobs.launch import mesh_arg, plan_mesh_arg, prepare_worker
+        from ..pipeline import shard_pipeline
+        from ..pipeline.tiny import build_tiny_pipeline, load_pipeline, pipeline_variant
+
+        prepare_worker(config["backend"])
+        self.config = config
+        self.cancel_requested = False
+        t0 = time.perf_counter()
+        self.tiny = not config.get("model")
+        self.dtype = config.get("dtype") or ("fp32" if self.tiny else "bf16")
+        dtype = torch_dtype(self.dtype)
+        self.pipe = (build_tiny_pipeline(config["variant"], seed=WEIGHTS_SEED, dtype=dtype) if self.tiny
+                     else load_pipeline(config["model"], dtype))
+        self.pipe.set_progress_bar_config(disable=True)
+        self.variant = config["variant"] if self.tiny else pipeline_variant(self.pipe)
+        self.cache = config.get("cache") or "none"
+        self.cache_steps: int | None = None  # the step count the enabled cache is set up for
+        self.mag_ratios = None
+        if self.cache == "mag":  # calibrated unsharded for the default step count (as generate does)
+            from ..caching import calibrate_pipeline_mag_ratios
+
+            steps = config["defaults"]["num_inference_steps"]
+            self.mag_ratios = calibrate_pipeline_mag_ratios(
+                self.pipe, lambda: self.pipe(**self.kwargs(config["defaults"]), output_type="latent"), steps)
+        build_s = time.perf_counter() - t0
+        t = time.perf_counter()
+        plan = ShardingPlan.from_dict(config["plan"]) if config.get("plan") else None
+        if plan is not None:
+            self.handle = shard_pipeline(self.pipe, plan_mesh_arg(config["backend"], plan), backend=config["backend"],
+                                         plan=plan, patches=config.get("patches") or ())
+        else:
+            self.handle = shard_pipeline(self.pipe, mesh_arg(config["backend"], config["mesh"]),
+                                         backend=config["backend"], padding=config["padding"],
+                                         patches=config.get("patches") or ())
+        shard_s = time.perf_counter() - t
+        signal.signal(signal.SIGUSR1, self._on_cancel)
+        t = time.perf_counter()
+        frames, _ = self.generate(config["defaults"], lambda done, total: None)
+        warm_s = time.perf_counter() - t
+        import numpy as np
+
+        if not np.isfinite(frames).all():
+            raise RuntimeError("the warm-up generation gave non-finite frames; the pipeline or its sharding is "
+                               "broken (try --dtype fp32 or another mesh)")
+        emit({"event": "ready", "variant": self.variant, "dtype": self.dtype, "build_seconds": round(build_s, 3),
+              "shard_seconds": round(shard_s, 3), "warmup_seconds": round(warm_s, 3),
+              "warmup_shape": list(frames.shape)})
+
+    def _on_cancel(self, _signum: int, _frame: Any) -> None:
+        self.cancel_requested = True
+
+    def kwargs(self, req: dict[str, Any]) -> dict[str, Any]:
+        from ..pipeline.tiny import call_kwargs
+
+        return call_kwargs(self.pipe, prompt=req["prompt"], negative_prompt=req["negative_prompt"],
+                           frames=req["num_frames"], height=req["height"], width=req["width"],
+                           steps=req["num_inference_steps"], guidance_scale=req["guidance_scale"], seed=req["seed"],
+                           tiny=self.tiny, variant=self.variant)
+
+    def generate(self, req: dict[str, Any], progress: Any) -> tuple[Any, list[float]]:
+        """The frames of one request (F, H, W, 3) and its seconds per step; ``progress(done, total)``
+        after each step. Raises :class:`Cancelled` at a step's end once SIGUSR1 came."""
+        steps = req["num_inference_steps"]
+        marks: list[float] = []
+
+        def on_step(_pipe: Any, i: int, _t: Any, _cb: dict) -> dict:
+            marks.append(time.perf_counter())
+            progress(i + 1, steps)
+            if self.cancel_requested:
+                raise Cancelled()
+            return {}
+
+        if self.cache != "none":
+            self._cache_for(steps)
+        start = time.perf_counter()
+        out = self.pipe(**self.kwargs(req), output_type="np", callback_on_step_end=on_step)
+        return out.frames[0], [b - a for a, b in zip([start] + marks[:-1], marks)]
+
+    def _cache_for(self, steps: int) -> None:
+        """The step cache set up for a run of ``steps`` steps, its state cleared: kept enabled
+        between requests of the same step count (re-enabling would compile its pieces again)."""
+        from ..caching import disable_pipeline_cache, enable_pipeline_cache, reset_pipeline_cache
+
+        if self.cache_steps == steps:
+            reset_pipeline_cache(self.pipe)
+            return
+        if self.cache_steps is not None:
+            disable_pipeline_cache(self.pipe)
+            self.cache_steps = None
+        enable_pipeline_cache(self.pipe, self.cache, steps, mag_ratios=self.mag_ratios)
+        self.cache_steps = steps
+
+
+def _setup(config: dict[str, Any]) -> Resident:
+    return Resident(config)
+
+
+def _handle(state: Resident, job: dict[str, Any]) -> None:
+    from ..pipeline import write_video
+
+    state.cancel_requested = False
+    job_id = job["id"]
+    try:
+        t = time.perf_counter()
+        frames, step_s = state.generate(job["request"], lambda done, total: emit(
+            {"event": "progress", "id": job_id, "done": done, "total": total}))
+        video = write_video(frames, Path(job["stem"]))
+        emit({"event": "completed", "id": job_id, "video": video.name, "video_shape": list(frames.shape),
+              "seconds": round(time.perf_counter() - t, 3), "step_seconds": [round(s, 3) for s in step_s]})
+    except Cancelled:
+        emit({"event": "cancelled", "id": job_id})
+    except Exception as e:  # the job failed; the pipeline is still loaded and sharded
+        emit({"event": "failed", "id": job_id, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(resident_worker_main(_setup, _handle))
+    except Exception as e:  # a failed build, shard or warm-up: one line for the server
+        emit({"event": "failed_start", "error": f"{type(e).__name__}: {e}".splitlines()[0]})
+        sys.exit(1)
