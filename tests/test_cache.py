@@ -81,6 +81,9 @@ def runs() -> dict[str, Future]:
         "xla-2x4": pool.submit(cache_compare_in_subprocess, "xla", ["2x4"], KINDS, steps=STEPS),
         "api": pool.submit(subprocess.run, [sys.executable, "-c", API_SCRIPT], env=worker_env("jax", 8),
                            capture_output=True, text=True, timeout=600),
+        "profile": pool.submit(subprocess.run, [sys.executable, "-m", "wan_sharding.cli", "profile", "--what", "step",
+                                                "--cache", "fbc", "--resolution", "tiny", "--warmup", "1", "--iters",
+                                                "2", "--json"], capture_output=True, text=True, timeout=600),
     }
     yield futures
     pool.shutdown(wait=True)
@@ -169,6 +172,17 @@ def test_probe_counts_and_removal_restores_the_model():
     assert not any(hasattr(m, "_diffusers_hook") and m._diffusers_hook.hooks for m in dit.modules())
     assert not any(m._forward_pre_hooks for m in dit.modules())
     assert torch.equal(dit(**inputs, return_dict=False)[0], reference)
+
+
+def test_profile_cache_reports_ratio_to_uncached_and_skip_fraction(runs):
+    proc = runs["profile"].result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)["results"][0]
+    stats = r["cache_stats"]
+    assert r["cache"] == "fbc" and stats["skipped"] > 0
+    assert r["skip_fraction"] == stats["skipped"] / stats["calls"]
+    # both warm medians come from this run: the cached loop's and the same loop's uncached
+    assert r["uncached_median_s"] > 0 and r["ratio_to_uncached"] == r["median_s"] / r["uncached_median_s"]
 
 
 def test_profile_cache_needs_steps():
