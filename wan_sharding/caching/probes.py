@@ -10,7 +10,10 @@ same module, so it sees exactly the calls the cache lets through:
   ``computed`` (the inner hook) per module, and the decision of every call in order;
 - with a ``unit_runner`` (the ``jax`` backend), the inner hook also runs the module's own forward as
   one compiled piece. Every other module whose subtree holds no cache hook runs as a compiled piece
-  too, so only the code between the cache's decisions runs op by op on the host.
+  too, so only the code between the cache's decisions runs op by op on the host;
+- with a block plan (:mod:`.programs`, FirstBlockCache and MagCache on a backend with cache
+  programs), the inner hooks of the blocks and of the modules before them replace or record
+  outputs while the plan traces one of its whole-forward programs, and the plan counts the calls.
 
 To sit under the cache hooks, the probe's hooks must be registered first. :func:`install_probe`
 therefore applies the config once to find the modules it hooks, takes it off, registers the inner
