@@ -46,7 +46,12 @@ API_SCRIPT = textwrap.dedent('''
     r["enabled_before_sharding"] = stand_in.is_cache_enabled
     run()
     r["adopted_skipped"] = stand_in.cache_stats.skipped()
-    r["pieces_installed"] = len(model_cache_probe(real).units)
+    # FirstBlockCache runs as whole programs, each compiled once (jax.jit), two per forward
+    plan = model_cache_probe(real).plan
+    programs = stand_in.backend._program_cache[id(real)]
+    r["programs"] = sorted(key[1] for key in programs)
+    r["compiled_once"] = [f._cache_size() for f in programs.values()]
+    r["programs_per_forward"] = plan.timing.program_calls / plan.timing.forwards
     stand_in.disable_cache()
     r["disabled"] = [stand_in.is_cache_enabled, real.is_cache_enabled]
     r["no_probe_after_disable"] = not any(INNER_HOOK in getattr(m, "_diffusers_hook").hooks
@@ -76,6 +81,9 @@ def runs() -> dict[str, Future]:
         "xla-2x4": pool.submit(cache_compare_in_subprocess, "xla", ["2x4"], KINDS, steps=STEPS),
         "api": pool.submit(subprocess.run, [sys.executable, "-c", API_SCRIPT], env=worker_env("jax", 8),
                            capture_output=True, text=True, timeout=600),
+        "profile": pool.submit(subprocess.run, [sys.executable, "-m", "wan_sharding.cli", "profile", "--what", "step",
+                                                "--cache", "fbc", "--resolution", "tiny", "--warmup", "1", "--iters",
+                                                "2", "--json"], capture_output=True, text=True, timeout=600),
     }
     yield futures
     pool.shutdown(wait=True)
@@ -99,7 +107,10 @@ def test_stand_in_cache_api(runs):
     proc = runs["api"].result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
-    assert r["enabled_before_sharding"] and r["adopted_skipped"] > 0 and r["pieces_installed"] > 0
+    assert r["enabled_before_sharding"] and r["adopted_skipped"] > 0
+    # the head twice (the first forward of a context has no statistic), the rest, the reuse path
+    assert r["programs"] == ["head", "head", "rest", "reuse"] and r["compiled_once"] == [1, 1, 1, 1]
+    assert r["programs_per_forward"] == 2
     assert r["disabled"] == [False, False] and r["no_probe_after_disable"]
     assert "already enabled" in r["twice"]
     assert r["via_stand_in_skipped"] > 0
@@ -161,6 +172,17 @@ def test_probe_counts_and_removal_restores_the_model():
     assert not any(hasattr(m, "_diffusers_hook") and m._diffusers_hook.hooks for m in dit.modules())
     assert not any(m._forward_pre_hooks for m in dit.modules())
     assert torch.equal(dit(**inputs, return_dict=False)[0], reference)
+
+
+def test_profile_cache_reports_ratio_to_uncached_and_skip_fraction(runs):
+    proc = runs["profile"].result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)["results"][0]
+    stats = r["cache_stats"]
+    assert r["cache"] == "fbc" and stats["skipped"] > 0
+    assert r["skip_fraction"] == stats["skipped"] / stats["calls"]
+    # both warm medians come from this run: the cached loop's and the same loop's uncached
+    assert r["uncached_median_s"] > 0 and r["ratio_to_uncached"] == r["median_s"] / r["uncached_median_s"]
 
 
 def test_profile_cache_needs_steps():

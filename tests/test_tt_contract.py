@@ -214,29 +214,52 @@ def test_tt_backend_on_stock_torch_xla_says_it_is_not_tenstorrents_build(tt_stan
         _tt_backend().run(build_dit("t2v-a14b"), None, **dit_inputs("t2v-a14b", LatentShape(3, 10, 14)))
 
 
-def test_tt_backend_runs_a_cached_forward_lazily_not_through_torch_compile(tt_stand_ins):
-    """A cache's decisions must run at every forward: with a cache on, the tt backend runs the
-    model as torch-xla's lazy tensors (stand-in: eagerly on the CPU), never the whole-forward
-    ``torch.compile``, and the cache skips exactly as on the unsharded model."""
+@pytest.mark.parametrize("kind, programs", [("fbc", {"head", "rest", "reuse"}), ("mag", {"full", "reuse"})])
+def test_tt_backend_runs_a_cached_forward_as_a_few_compiled_programs(tt_stand_ins, monkeypatch, kind, programs):
+    """With a block cache on, a forward is a fixed number of programs, each through
+    ``torch.compile(backend="tt")`` once per signature (stand-in: run eagerly on the CPU), with the
+    compile options sent before the first of them; never the whole-forward compile. The cache
+    decides and computes exactly as on the unsharded model."""
     from wan_sharding.caching import install_probe, wan_cache_config
     from wan_sharding.pipeline import ShardedTransformer
 
+    seen = []  # the options torch-xla had when each torch.compile was called
+    compile_stand_in = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (seen.append(tt_module._applied_options),
+                                                            compile_stand_in(fn, **kw))[1])
     backend = _tt_backend()
-    dit, reference_dit = build_dit("t2v-a14b"), build_dit("t2v-a14b")
+    dit, reference_dit = build_dit("t2v-a14b", num_layers=3), build_dit("t2v-a14b", num_layers=3)
     inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
     sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding="mask")
     model = ShardedTransformer(dit, backend, None, "transformer", "mask", sp=sp)
-    model.enable_cache(wan_cache_config("fbc", 3, threshold=1e9))  # skips whenever it can
-    reference = install_probe(reference_dit, wan_cache_config("fbc", 3, threshold=1e9))
+    config = lambda: wan_cache_config(kind, 3, threshold=1e9, mag_ratios=[1.0] * 3)  # noqa: E731  (skip when it can)
+    model.enable_cache(config())
+    reference = install_probe(reference_dit, config())
     with torch.no_grad():
-        for i in range(3):
-            with model.cache_context("cond", step_index=i), reference_dit.cache_context("cond", step_index=i):
+        for step in range(6):  # two runs of 3 steps (MagCache starts again after its 3)
+            with model.cache_context("cond", step_index=step % 3), reference_dit.cache_context("cond", step_index=step % 3):
                 out = model(**inputs, return_dict=False)[0]
                 ref = reference_dit(**inputs, return_dict=False)[0]
                 torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert tt_stand_ins.compiles == []
+            if step == 2:
+                after_one_run = len(tt_stand_ins.compiles)
     assert model.cache_stats.decisions == reference.stats.decisions
-    assert model.cache_stats.computed == {"blocks.0": 3, "blocks.1": 1}
+    assert model.cache_stats.skipped() > 0
+    compiled = [key[2] for key in backend._compiled[id(dit)][1]]
+    # FirstBlockCache: its head twice (the first forward of a context has no statistic to compute)
+    assert set(compiled) == programs and len(compiled) == len(programs) + (kind == "fbc")
+    assert len(tt_stand_ins.compiles) == after_one_run == backend.compiles == len(compiled)  # once each
+    assert all(model_ is not dit and name == "tt" and kw == {"dynamic": False}
+               for model_, name, kw in tt_stand_ins.compiles)
+    assert seen == [WAN_TEST_OPTIONS] * len(compiled) and tt_stand_ins.options == [WAN_TEST_OPTIONS]
+    from wan_sharding.caching import model_cache_probe
+
+    timing = model_cache_probe(dit).plan.timing
+    assert timing.forwards == 6 and timing.program_calls == {"fbc": 12, "mag": 6}[kind]  # 2 (fbc) or 1 per forward
+    backend.release(dit)  # forgotten with the model's compiled forwards
+    with torch.no_grad(), model.cache_context("cond", step_index=0):
+        model(**inputs, return_dict=False)
+    assert len(tt_stand_ins.compiles) > len(compiled)
     model.disable_cache()
     sp.remove()
 

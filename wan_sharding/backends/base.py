@@ -35,6 +35,9 @@ class Backend(abc.ABC):
     # The whole forward is traced once into one program: Python-level per-call arguments
     # (e.g. a LoRA scale in attention_kwargs) cannot reach it, and hooks run only while tracing.
     traces_whole_forward: bool = False
+    # A block cache's forward (FirstBlockCache, MagCache) runs as a few whole programs cut at the
+    # cache's decision (``wan_sharding.caching.programs``), through :meth:`run_cached_device`.
+    cache_programs: bool = False
 
     def __init__(self, mesh: MeshSpec, native_mesh: Any = None):
         self.mesh = mesh

@@ -24,6 +24,7 @@ from .base import Backend, BackendError, Program, input_signature, slice_bytes
 class JaxBackend(Backend):
     name = "jax"
     traces_whole_forward = True  # one jax.jit per model: the SP hooks run while tracing
+    cache_programs = True
 
     def __init__(self, mesh: MeshSpec, native_mesh: Any = None, devices: list | None = None):
         self._devices = devices
@@ -164,6 +165,8 @@ class JaxBackend(Backend):
 
     def release(self, dit: torch.nn.Module) -> None:
         self.__dict__.get("_jit_cache", {}).pop(id(dit), None)
+        for cache in ("_program_cache", "_unit_cache"):  # a cached forward's programs and pieces
+            self.__dict__.get(cache, {}).pop(id(dit), None)
 
     def _device_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         import jax
@@ -191,12 +194,18 @@ class JaxBackend(Backend):
     # --- forwards with diffusers' cache hooks: decisions on the host between compiled pieces -----
 
     def run_cached_device(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        """One forward with the cache hooks live: the model's own Python runs on the host over the
-        sharded arrays (torchax eager), the pieces between the cache's decisions compiled
-        (:meth:`cache_unit_runner`). A cache's read-back (FirstBlockCache's ``.item()``) is a
-        device-to-host copy of one scalar; schedule-based caches (TaylorSeer, PAB) read nothing back."""
+        """One forward with the cache hooks live. A block cache (FirstBlockCache, MagCache) runs as
+        a few ``jax.jit`` programs cut at its decision (:meth:`cached_programs`); FirstBlockCache
+        reads one scalar back. Any other cache runs the model's own Python on the host over the
+        sharded arrays (torchax eager), with the pieces between the cache's decisions compiled
+        (:meth:`cache_unit_runner`); schedule-based caches (TaylorSeer, PAB) read nothing back."""
         import torchax
 
+        from ..caching import model_cache_probe
+
+        probe = model_cache_probe(dit)
+        if probe is not None and probe.plan is not None:
+            return probe.plan.forward(self.cached_programs(dit, placed, probe.plan, args, kwargs), probe.stats)
         env = torchax.default_env()
         jargs, jkwargs = self._device_inputs(args, kwargs)
         # The pieces are compiled per input signature of the whole forward: SP's Python state (the
@@ -206,6 +215,34 @@ class JaxBackend(Backend):
             state, targs, tkwargs = env.j2t_iso((placed, jargs, jkwargs))
             out = torch.func.functional_call(dit, state, targs, {**tkwargs, "return_dict": False})[0]
         return env.t2j_iso(out)
+
+    def cached_programs(self, dit: torch.nn.Module, placed: dict[str, Any], plan: Any, args: tuple,
+                        kwargs: dict) -> Any:
+        """How ``plan`` (a :class:`~wan_sharding.caching.BlockPlan`) runs its programs for these
+        inputs: each program a ``jax.jit`` of the whole forward (weights and inputs as arguments,
+        so nothing is baked in), made once per model, plan, program, input signature and the
+        structure of what the previous program handed over; kept across enable/disable."""
+        import jax
+        import torchax
+
+        env = torchax.default_env()
+        jargs, jkwargs = self._device_inputs(args, kwargs)
+        programs = self.__dict__.setdefault("_program_cache", {}).setdefault(id(dit), {})
+        signature = input_signature((args, kwargs))
+
+        def run(name: str, extra: dict) -> dict:
+            key = (plan.key, name, signature, jax.tree_util.tree_structure(extra))
+            if key not in programs:
+                def program(state: dict, a: tuple, k: dict, given: dict) -> Any:
+                    state, a, k, given = env.j2t_iso((state, a, k, given))
+                    with env:
+                        forward = lambda: torch.func.functional_call(dit, state, a, {**k, "return_dict": False})[0]  # noqa: E731
+                        return env.t2j_iso(plan.body(name, forward, given))
+
+                programs[key] = jax.jit(program)
+            return programs[key](placed, jargs, jkwargs, extra)
+
+        return run
 
     def cache_refusal(self, config: Any) -> str | None:
         """SeaCache's indicators use ``torch.fft`` ops (``aten::fft_fftfreq``) that torchax cannot
@@ -225,7 +262,8 @@ class JaxBackend(Backend):
         from torchax.interop import jax_view
 
         env = torchax.default_env()
-        compiled: dict[Any, Any] = {}
+        # Kept on the backend per model, so enabling the cache again compiles nothing again.
+        compiled: dict[Any, Any] = self.__dict__.setdefault("_unit_cache", {}).setdefault(id(dit), {})
         states: dict[str, dict[str, Any]] = {}
 
         def state_of(name: str) -> dict[str, Any]:

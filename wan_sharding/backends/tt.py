@@ -385,11 +385,42 @@ class TTBackend(XlaBackend):
             ) from None
 
     def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """A forward with diffusers' cache hooks live runs lazily, as on the ``xla`` backend, not
-        through ``torch.compile``: the hooks' decisions (FirstBlockCache's ``.item()``) cut the lazy
-        graph, and each piece between them is compiled once by the TT plugin and reused by graph hash.
-        Costs one compile per distinct piece instead of one per forward."""
-        return XlaBackend.run_device(self, dit, placed, *args, **kwargs)
+        """A forward with diffusers' cache hooks live. A block cache (FirstBlockCache, MagCache)
+        runs as its few programs, each through ``torch.compile(backend="tt")`` once per signature
+        (:meth:`cached_programs`), so every cached forward keeps trace replay. Any other cache runs
+        lazily, as on the ``xla`` backend: the hooks' decisions cut the lazy graph, and each piece
+        between them is compiled once by the TT plugin and reused by graph hash."""
+        from ..caching import model_cache_probe
+
+        probe = model_cache_probe(dit)
+        if probe is None or probe.plan is None:
+            return XlaBackend.run_device(self, dit, placed, *args, **kwargs)
+        args, kwargs = self._to_device(args, kwargs)
+        return probe.plan.forward(self.cached_programs(dit, probe.plan, args, kwargs), probe.stats)
+
+    def cached_programs(self, dit: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> Any:
+        """How ``plan`` runs its programs on tt: each one ``torch.compile(backend="tt")`` of the
+        program's function, made (after the compile options are applied, as for a whole forward)
+        once per model, program and signature of its inputs; kept with the model's compiled
+        forwards, so ``release`` drops them too."""
+        entry = self._compiled.get(id(dit))
+        if entry is None or entry[0] is not dit:
+            entry = self._compiled[id(dit)] = (dit, {})
+        signature = (input_signature(args), input_signature(kwargs))
+
+        def run(name: str, extra: dict) -> dict:
+            key = ("cached", plan.key, name, signature, input_signature(extra))
+            compiled = entry[1].get(key)
+            if compiled is None:
+                def program(a: tuple, k: dict, given: dict) -> dict:
+                    return plan.body(name, lambda: dit(*a, **k, return_dict=False)[0], given)
+
+                _apply_compile_options(self.compile_options.to_torch_xla())
+                compiled = entry[1][key] = torch.compile(program, backend="tt", dynamic=False)
+                self.compiles += 1
+            return compiled(args, kwargs, extra)
+
+        return run
 
     def release(self, dit: torch.nn.Module) -> None:
         """Drop the compiled forwards of ``dit``: this backend's compiled modules and dynamo's cache

@@ -28,6 +28,7 @@ def enable_spmd() -> None:
 class XlaBackend(Backend):
     name = "xla"
     uses_torch_xla = True
+    cache_programs = True
 
     def _make_mesh(self, mesh: MeshSpec) -> Any:
         try:
@@ -97,6 +98,31 @@ class XlaBackend(Backend):
         is materialised."""
         args, kwargs = self._to_device(args, kwargs)
         return dit(*args, **kwargs, return_dict=False)[0]
+
+    def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One forward with the cache hooks live. A block cache (FirstBlockCache, MagCache) runs as
+        its few programs (:meth:`cached_programs`); any other cache runs lazily like any forward,
+        its decisions cutting the lazy graph."""
+        from ..caching import model_cache_probe
+
+        probe = model_cache_probe(dit)
+        if probe is None or probe.plan is None:
+            return self.run_device(dit, placed, *args, **kwargs)
+        args, kwargs = self._to_device(args, kwargs)
+        return probe.plan.forward(self.cached_programs(dit, probe.plan, args, kwargs), probe.stats)
+
+    def cached_programs(self, dit: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> Any:
+        """How ``plan`` runs its programs here: each traced lazily and cut off with
+        ``torch_xla.sync()``, so each is one graph, compiled once and found again by graph hash
+        (and what it hands to the next program is materialised, not traced again there)."""
+        import torch_xla
+
+        def run(name: str, extra: dict) -> dict:
+            out = plan.body(name, lambda: dit(*args, **kwargs, return_dict=False)[0], extra)
+            torch_xla.sync()
+            return out
+
+        return run
 
     def to_host(self, out: Any) -> torch.Tensor:
         return out.cpu()

@@ -4,8 +4,10 @@ diffusers ships step caches as hooks (``transformer.enable_cache(config)``): Fir
 MagCache, TaylorSeer, Pyramid Attention Broadcast, FasterCache. They decide *on the host, at every
 forward* whether to run a block or an attention module. A backend that compiles whole forwards
 (``jax``) runs a model's Python only while tracing, so there a cache would decide once and then
-skip nothing; this package therefore runs a cached forward as host Python between compiled pieces
-(:mod:`.probes`), and counts what each cache computed and skipped on every backend.
+skip nothing. This package therefore runs a block cache's forward (FirstBlockCache, MagCache) as
+two or three whole programs cut at the cache's one decision (:mod:`.programs`), and a per-module
+cache's (TaylorSeer, PAB) as host Python between compiled pieces (:mod:`.probes`); it counts what
+each cache computed and skipped on every backend.
 
 - :func:`enable_model_cache` / :func:`disable_model_cache`: what a sharded pipeline's stand-in
   (``pipe.transformer.enable_cache(...)``) calls; usable on an unsharded model too, to get the same
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .programs import BlockPlan, ForwardTiming, block_cache_kind
 from .probes import (
     CacheProbe,
     CacheStats,
@@ -37,11 +40,12 @@ _PROBES: "weakref.WeakKeyDictionary[torch.nn.Module, CacheProbe]" = weakref.Weak
 
 
 def enable_model_cache(dit: torch.nn.Module, config: Any, runner: UnitRunner | None = None,
-                       post: OutputFix | None = None) -> CacheProbe:
+                       post: OutputFix | None = None, programs: bool = False) -> CacheProbe:
     """``dit.enable_cache(config)`` with a probe under the cache's hooks (statistics; with
-    ``runner``, compiled pieces between the cache's decisions; ``post``: see :func:`install_probe`).
+    ``runner``, compiled pieces between the cache's decisions; with ``programs``, a block cache as a
+    few whole programs, :mod:`.programs`; ``post``: see :func:`install_probe`).
     Errors as diffusers' ``enable_cache``."""
-    probe = install_probe(dit, config, runner=runner, post=post)
+    probe = install_probe(dit, config, runner=runner, post=post, programs=programs)
     _PROBES[dit] = probe
     return probe
 
@@ -89,7 +93,7 @@ from .wan import (  # noqa: E402  (uses the functions above)
 )
 
 __all__ = [
-    "CACHE_KINDS", "CacheProbe", "CacheStats", "cache_hooked_modules", "calibrate_mag_ratios", "calibrate_pipeline_mag_ratios",
+    "BlockPlan", "CACHE_KINDS", "CacheProbe", "ForwardTiming", "block_cache_kind", "CacheStats", "cache_hooked_modules", "calibrate_mag_ratios", "calibrate_pipeline_mag_ratios",
     "compiled_units",
     "disable_model_cache", "disable_pipeline_cache", "enable_model_cache", "enable_pipeline_cache", "expert_steps",
     "install_probe", "model_cache_probe", "model_cache_stats", "pipeline_cache_stats", "release_model_cache",

@@ -293,77 +293,22 @@ def _compare(p: dict[str, Any]) -> list[dict[str, Any]]:
 
 def cache_compare_in_subprocess(backend: str, meshes: list[str], caches: list[str], variant: str = "t2v-a14b",
                                 steps: int = 6, padding: str = DEFAULT_PADDING, seed: int = 0, timing: bool = False,
-                                timeout: float = 1200) -> list[dict[str, Any]]:
-    """Per cache kind and mesh: the tiny pipeline sharded with that cache vs unsharded with the same
-    cache (decisions, final latents), and vs the sharded run without a cache (drift). With
-    ``timing``, each run is repeated warm and timed (the benchmark). One worker for all of it."""
+                                timeout: float = 1200, blocks: int | None = None,
+                                repeats: int = 3) -> list[dict[str, Any]]:
+    """Per cache kind and mesh: the tiny pipeline (``blocks`` per expert) sharded with that cache vs
+    unsharded with the same cache (decisions, final latents), and vs the sharded run without a cache
+    (drift). With ``timing``, warm runs cached and uncached, interleaved ``repeats`` times, and PSNR
+    of the decoded frames (the benchmark; :mod:`wan_sharding.caching.compare`). One worker for all."""
     params = dict(kind="cache", meshes=meshes, caches=caches, variant=variant, steps=steps, padding=padding,
-                  dtype="fp32", seed=seed, backend=backend, timing=timing)
+                  dtype="fp32", seed=seed, backend=backend, timing=timing, blocks=blocks, repeats=repeats)
     return _comparison_worker(params, [mesh_from_preset(m).num_devices for m in meshes], timeout)
 
 
 def _cache(p: dict[str, Any]) -> list[dict[str, Any]]:
     """The work of :func:`cache_compare_in_subprocess`; results are emitted as each run finishes."""
-    from ..caching import (
-        calibrate_pipeline_mag_ratios,
-        disable_pipeline_cache,
-        enable_pipeline_cache,
-        pipeline_cache_stats,
-        reset_pipeline_cache,
-    )
-    from ..pipeline import shard_pipeline
-    from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
+    from ..caching.compare import cache_comparison
 
-    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]))
-    run = lambda: pipe(**call_kwargs(pipe, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
-
-    def timed() -> tuple[Any, float]:
-        t = time.perf_counter()
-        out = run()
-        return out, time.perf_counter() - t
-
-    references = {}
-    for cache in p["caches"]:  # unsharded, with the same cache: what the sharded run must match
-        ratios = calibrate_pipeline_mag_ratios(pipe, run, p["steps"]) if cache == "mag" else None
-        references[cache] = (ratios, *_cached_run(pipe, cache, p["steps"], ratios, run))
-    for mesh in p["meshes"]:
-        handle = shard_pipeline(pipe, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
-        try:
-            uncached, first = timed()
-            warm = timed()[1] if p["timing"] else None
-            for cache in p["caches"]:
-                ratios, reference, reference_stats = references[cache]
-                enable_pipeline_cache(pipe, cache, p["steps"], mag_ratios=ratios)
-                try:
-                    calls_before = {e.name: e.wrapper.calls for e in handle.experts}
-                    out, cached_first = timed()
-                    stats = pipeline_cache_stats(pipe)
-                    forwards = sum(e.wrapper.calls - calls_before[e.name] for e in handle.experts)
-                    cached_warm = None
-                    if p["timing"]:
-                        reset_pipeline_cache(pipe)
-                        cached_warm = timed()[1]
-                finally:
-                    disable_pipeline_cache(pipe)
-                _, max_abs = compare(reference, out)
-                drift_pcc, drift = compare(uncached, out)
-                emit({
-                    "backend": p["backend"], "mesh": mesh, "cache": cache, "variant": p["variant"],
-                    "steps": p["steps"], "padding": p["padding"], "forwards": forwards,
-                    "calls": sum(e["calls"] for e in stats.values()),
-                    "computed": sum(e["computed"] for e in stats.values()),
-                    "skipped": sum(e["skipped"] for e in stats.values()),
-                    "per_expert": {n: {k: v for k, v in e.items() if k != "decisions"} for n, e in stats.items()},
-                    "decisions_match": {n: e["decisions"] for n, e in stats.items()}
-                    == {n: e["decisions"] for n, e in reference_stats.items()},
-                    "max_abs_vs_unsharded_cached": max_abs, "drift_max_abs": drift, "drift_pcc": drift_pcc,
-                    "first_seconds": round(cached_first, 3), "uncached_first_seconds": round(first, 3),
-                    "warm_seconds": None if cached_warm is None else round(cached_warm, 4),
-                    "uncached_warm_seconds": None if warm is None else round(warm, 4),
-                    "warm_ratio": None if cached_warm is None else round(cached_warm / warm, 3),
-                })
-        finally:
-            handle.remove()
+    cache_comparison(p, emit)
     return []
 
 

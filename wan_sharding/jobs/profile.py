@@ -147,11 +147,12 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
         return latents
 
     cache = p.get("cache") or "none"
-    uncached = None
+    uncached, uncached_times = None, []
     if cache != "none":  # a step cache on the expert, as `generate --cache` sets it (wan_sharding.caching)
         from ..caching import calibrate_mag_ratios, wan_cache_config
 
-        uncached = denoise() if "step" in p["what"] else None  # the drift is measured against it
+        # The same loop uncached, timed in this run: the drift and ratio_to_uncached are against it.
+        uncached = denoise(uncached_times) if "step" in p["what"] else None
 
         ratios = calibrate_mag_ratios({"transformer": (dit, n)}, denoise)["transformer"] if cache == "mag" else None
         model.enable_cache(wan_cache_config(cache, n, dtype=dtype, timestep=lambda: current["t"], mag_ratios=ratios))
@@ -193,7 +194,12 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             from .pcc import compare
 
             r["cache_stats"] = model.cache_stats.summary()
+            r["skip_fraction"] = r["cache_stats"]["skipped"] / max(r["cache_stats"]["calls"], 1)
             r["drift_pcc"], r["drift_max_abs"] = compare(uncached, final)  # vs the same loop uncached
+            warm_uncached = uncached_times[p["warmup"]:]
+            r["uncached_median_s"] = statistics.median(warm_uncached) if warm_uncached else None
+            r["ratio_to_uncached"] = (r["median_s"] / r["uncached_median_s"]
+                                      if timed and r["uncached_median_s"] else None)
             model.cache_stats.reset()
         results.append(r)
         if timed:
@@ -201,8 +207,10 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
                   f"{' -> ' + str(r['padded_tokens']) if r['padded_tokens'] != r['tokens'] else ''}: "
                   f"first (compile + run) {r['first_iter_s']:.3f} s, warm median {r['median_s']:.4f} s "
                   f"(min {r['min_s']:.4f}, max {r['max_s']:.4f}) over {p['iters']}"
-                  + (f"; cache {cache}: {r['cache_stats']['computed']}/{r['cache_stats']['calls']} computed, "
-                     f"drift vs uncached max|diff| {r['drift_max_abs']:.2e}" if "cache_stats" in r else ""), flush=True)
+                  + (f"; cache {cache}: {r['cache_stats']['computed']}/{r['cache_stats']['calls']} computed "
+                     f"({r['skip_fraction']:.0%} skipped), warm median {r['ratio_to_uncached']:.2f}x the uncached "
+                     f"{r['uncached_median_s']:.4f} s, drift vs uncached max|diff| {r['drift_max_abs']:.2e}"
+                     if "cache_stats" in r and r["ratio_to_uncached"] is not None else ""), flush=True)
     if model.is_cache_enabled:
         model.disable_cache()
     if sp is not None:

@@ -97,7 +97,8 @@ class ShardedTransformer(torch.nn.Module):
             raise ShardingError(refusal)
         sp = self.__dict__.get("_sp")
         enable_model_cache(self.dit, config, runner=self._backend.cache_unit_runner(self.dit, self._placed),
-                           post=zero_padding_rows(sp.state) if sp is not None else None)
+                           post=zero_padding_rows(sp.state) if sp is not None else None,
+                           programs=self._backend.cache_programs)
 
     def disable_cache(self) -> None:
         """diffusers' ``disable_cache`` on the real model."""
@@ -139,11 +140,14 @@ class ShardedTransformer(torch.nn.Module):
     def _adopt_cache(self) -> None:
         """A cache enabled on the real model directly (or before sharding) gets this backend's probe,
         so it acts at every forward instead of only while a forward is traced."""
-        from ..caching import model_cache_probe
+        from ..caching import block_cache_kind, model_cache_probe
 
         probe = model_cache_probe(self.dit)
-        # A backend that traces whole forwards needs the compiled pieces (cache_unit_runner).
-        if probe is None or (self._backend.traces_whole_forward and not probe.units):
+        # A backend that traces whole forwards needs the compiled pieces (cache_unit_runner) or
+        # programs; one with cache programs needs them for a block cache.
+        wants_plan = self._backend.cache_programs and block_cache_kind(self.dit._cache_config) is not None
+        if probe is None or (self._backend.traces_whole_forward and not (probe.units or probe.plan)) \
+                or (wants_plan and probe.plan is None):
             config = self.dit._cache_config
             if probe is not None:
                 probe.remove(keep_cache=False)

@@ -105,15 +105,21 @@ def flow_scheduler(flow_shift: float = 3.0):
                                    num_train_timesteps=1000, solver_order=2)
 
 
-def build_tiny_pipeline(variant: str = "t2v-a14b", seed: int = 0, dtype: torch.dtype = torch.float32):
-    """The stock diffusers pipeline of ``variant`` with tiny random-weight parts (see module doc)."""
+def build_tiny_pipeline(variant: str = "t2v-a14b", seed: int = 0, dtype: torch.dtype = torch.float32,
+                        blocks: int | None = None):
+    """The stock diffusers pipeline of ``variant`` with tiny random-weight parts (see module doc).
+    ``blocks``: transformer blocks per expert (the tiny config's own count when ``None``; more make
+    the blocks dominate a forward, as they do at full size)."""
     if variant not in VARIANT_PIPELINES:
         raise ValueError(f"unknown Wan variant {variant!r}; choose one of {', '.join(VARIANT_PIPELINES)}")
+    if blocks is not None and blocks < 1:
+        raise ValueError(f"blocks must be at least 1, got {blocks}")
     vp = VARIANT_PIPELINES[variant]
     cls = pipeline_classes()[vp.pipeline]
-    experts = {"transformer": build_dit(variant, "tiny", dtype=dtype, seed=seed)}
+    depth = {} if blocks is None else {"num_layers": blocks}
+    experts = {"transformer": build_dit(variant, "tiny", dtype=dtype, seed=seed, **depth)}
     if vp.experts == 2:
-        experts["transformer_2"] = build_dit(variant, "tiny", dtype=dtype, seed=seed + 1)
+        experts["transformer_2"] = build_dit(variant, "tiny", dtype=dtype, seed=seed + 1, **depth)
     kwargs: dict[str, Any] = dict(tokenizer=None, text_encoder=None, vae=tiny_vae(vp.vae, seed),
                                   scheduler=flow_scheduler(vp.flow_shift), boundary_ratio=vp.boundary_ratio,
                                   expand_timesteps=vp.expand_timesteps, **experts)

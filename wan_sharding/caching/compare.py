@@ -1,0 +1,139 @@
+"""Each cache kind on the sharded tiny pipeline against the unsharded one and against no cache.
+
+What :func:`wan_sharding.jobs.generate.cache_compare_in_subprocess` runs in its worker (the tests
+and ``scripts/bench_cache.py``): per cache kind and mesh, the decisions and final latents of the
+sharded run against the unsharded run with the same cache; the drift against the sharded run
+without a cache (latents, and PSNR of the decoded frames); with ``timing``, warm time per video
+cached and uncached, measured interleaved in the same process (uncached, cached, uncached, ...)
+``repeats`` times, medians and spread, and the host time a cached forward spends outside its
+compiled programs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def decode_frames(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+    """The frames the Wan pipeline would return for ``latents`` (``output_type="pt"``): the same
+    de-normalisation, VAE decode and post-processing as its ``__call__``, values in [0, 1]."""
+    vae = pipe.vae
+    latents = latents.to(vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents.dtype)
+    with torch.no_grad():
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+    return pipe.video_processor.postprocess_video(video, output_type="pt")
+
+
+def psnr(reference: torch.Tensor, other: torch.Tensor, peak: float = 1.0) -> float:
+    """Peak signal-to-noise ratio in dB of ``other`` against ``reference`` (``inf`` when equal)."""
+    mse = float(((reference.double() - other.double()) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
+
+
+def _spread(samples: list[float]) -> float:
+    """(max - min) / median: how noisy a set of repeated timings is."""
+    return (max(samples) - min(samples)) / statistics.median(samples)
+
+
+def host_overhead(pipe: Any) -> dict[str, Any] | None:
+    """Over the experts whose cache runs as programs: cached forwards, programs per forward and the
+    host seconds per forward outside the programs (``None`` when no expert's cache does)."""
+    from . import model_cache_probe
+    from .wan import pipeline_experts
+
+    plans = [p.plan for _, _, dit in pipeline_experts(pipe) if (p := model_cache_probe(dit)) is not None and p.plan]
+    if not plans:
+        return None
+    forwards = sum(p.timing.forwards for p in plans)
+    host = sum(p.timing.total_s - p.timing.programs_s for p in plans)
+    calls = sum(p.timing.program_calls for p in plans)
+    return {"forwards": forwards, "programs_per_forward": round(calls / max(forwards, 1), 3),
+            "host_overhead_s": round(host / max(forwards, 1), 6)}
+
+
+def cache_comparison(p: dict[str, Any], emit: Any) -> None:
+    """The worker's job (see the module docstring); ``emit`` gets one result per mesh and kind."""
+    from ..jobs.launch import mesh_arg
+    from ..jobs.pcc import compare
+    from ..options import torch_dtype
+    from ..pipeline import shard_pipeline
+    from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
+    from . import calibrate_pipeline_mag_ratios, disable_pipeline_cache, enable_pipeline_cache, pipeline_cache_stats
+
+    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]), blocks=p.get("blocks"))
+    run = lambda: pipe(**call_kwargs(pipe, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
+
+    def timed() -> tuple[Any, float]:
+        t = time.perf_counter()
+        out = run()
+        return out, time.perf_counter() - t
+
+    def cached(cache: str, ratios: Any) -> tuple[Any, float, dict, Any]:
+        enable_pipeline_cache(pipe, cache, p["steps"], mag_ratios=ratios)
+        try:
+            out, seconds = timed()
+            return out, seconds, pipeline_cache_stats(pipe), host_overhead(pipe)
+        finally:
+            disable_pipeline_cache(pipe)
+
+    references = {}
+    for cache in p["caches"]:  # unsharded, with the same cache: what the sharded run must match
+        ratios = calibrate_pipeline_mag_ratios(pipe, run, p["steps"]) if cache == "mag" else None
+        out, _, stats, _ = cached(cache, ratios)
+        references[cache] = (ratios, out, stats)
+    repeats = p.get("repeats", 3) if p["timing"] else 0
+    for mesh in p["meshes"]:
+        handle = shard_pipeline(pipe, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
+        try:
+            uncached, first = timed()
+            frames = decode_frames(pipe, uncached) if p["timing"] else None
+            for cache in p["caches"]:
+                ratios, reference, reference_stats = references[cache]
+                calls_before = {e.name: e.wrapper.calls for e in handle.experts}
+                out, cached_first, stats, _ = cached(cache, ratios)
+                forwards = sum(e.wrapper.calls - calls_before[e.name] for e in handle.experts)
+                warm_u, warm_c, host = [], [], []
+                for _ in range(repeats):  # interleaved, so both see the same load on the host
+                    warm_u.append(timed()[1])
+                    _, seconds, _, overhead = cached(cache, ratios)
+                    warm_c.append(seconds)
+                    host.append(overhead)
+                _, max_abs = compare(reference, out)
+                drift_pcc, drift = compare(uncached, out)
+                calls = sum(e["calls"] for e in stats.values())
+                computed = sum(e["computed"] for e in stats.values())
+                result = {
+                    "backend": p["backend"], "mesh": mesh, "cache": cache, "variant": p["variant"],
+                    "blocks": len(pipe.transformer.dit.blocks), "steps": p["steps"], "padding": p["padding"],
+                    "forwards": forwards, "calls": calls, "computed": computed, "skipped": calls - computed,
+                    "computed_fraction": round(computed / calls, 4),
+                    "per_expert": {n: {k: v for k, v in e.items() if k != "decisions"} for n, e in stats.items()},
+                    "decisions_match": {n: e["decisions"] for n, e in stats.items()}
+                    == {n: e["decisions"] for n, e in reference_stats.items()},
+                    "max_abs_vs_unsharded_cached": max_abs, "drift_max_abs": drift, "drift_pcc": drift_pcc,
+                    "first_seconds": round(cached_first, 3), "uncached_first_seconds": round(first, 3),
+                }
+                if p["timing"]:
+                    mc, mu = statistics.median(warm_c), statistics.median(warm_u)
+                    overhead = host[-1]
+                    result.update({
+                        "psnr_db_vs_uncached": round(psnr(frames, decode_frames(pipe, out)), 2),
+                        "warm_seconds": round(mc, 4), "uncached_warm_seconds": round(mu, 4),
+                        "warm_ratio": round(mc / mu, 3), "goal_ratio": round(computed / calls + 0.15, 4),
+                        "warm_samples": [round(x, 4) for x in warm_c],
+                        "uncached_warm_samples": [round(x, 4) for x in warm_u],
+                        "spread": round(max(_spread(warm_c), _spread(warm_u)), 3),
+                        "programs_per_forward": None if overhead is None else overhead["programs_per_forward"],
+                        "host_overhead_s": None if overhead is None else statistics.median(
+                            h["host_overhead_s"] for h in host),
+                    })
+                emit(result)
+        finally:
+            handle.remove()
