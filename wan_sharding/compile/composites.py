@@ -181,7 +181,8 @@ def mark_composite(backend: Any, name: str, attr: dict[str, Any], fn: Callable[.
                    *tensors: torch.Tensor) -> torch.Tensor:
     """``fn(*tensors)`` wrapped as the StableHLO composite ``name`` with ``attr``, in the backend's
     lowering: torch-xla's ``StableHLOCompositeBuilder`` (as tt-xla marks them), or
-    ``jax.lax.composite`` inside a torchax trace (lists become i64 dense arrays, tt-mlir's form).
+    ``jax.lax.composite`` inside a torchax trace (lists become i64 dense arrays, floats f32: the
+    forms tt-mlir reads).
     Any other backend computes ``fn`` plainly."""
     if getattr(backend, "name", None) == "xla":
         from torch_xla.experimental.mark_pattern_utils import StableHLOCompositeBuilder
@@ -195,7 +196,9 @@ def mark_composite(backend: Any, name: str, attr: dict[str, Any], fn: Callable[.
         import numpy as np
         from torchax.interop import jax_view, torch_view
 
-        jattr = {k: np.asarray(v, dtype=np.int64) if isinstance(v, list) else v for k, v in attr.items()}
+        # tt-mlir reads float attributes as f32 (torch-xla writes them so); JAX would write f64.
+        jattr = {k: np.asarray(v, dtype=np.int64) if isinstance(v, list) else np.float32(v) if isinstance(v, float) else v
+                 for k, v in attr.items()}
 
         def body(*arrays: Any, **_: Any) -> Any:
             return jax_view(fn(*(torch_view(a) for a in arrays)))
