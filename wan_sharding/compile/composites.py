@@ -62,11 +62,14 @@ class HardwareComposites(FusedSDPA):
     """
 
     def __init__(self, backend: Any, model: torch.nn.Module | None = None, composite_set: str = DEFAULT_COMPOSITES,
-                 split_tokens: Callable[[], int | None] | None = None):
+                 split_tokens: Callable[[], int | None] | None = None, mark: bool = True):
         super().__init__(backend)
         self.composite_set = check_composites(composite_set)
         self.model = model
         self.marked: Counter[str] = Counter()
+        # mark=False: the same bodies and pinning without the composite markers, for running the
+        # graph on a CPU backend (torch-xla's CPU client cannot execute its composite markers).
+        self._emit = mark
         # The token count the SP hooks split (global, padded): a norm input of that length has its
         # tokens split over SP; any other (the prompt's) is whole.
         self._split_tokens = split_tokens or (lambda: None)
@@ -170,7 +173,7 @@ class HardwareComposites(FusedSDPA):
     def _mark(self, name: str, attr: dict[str, Any], fn: Callable[..., torch.Tensor],
               *tensors: torch.Tensor) -> torch.Tensor:
         self.marked[name] += 1
-        return mark_composite(self.backend, name, attr, fn, *tensors)
+        return mark_composite(self.backend, name, attr, fn, *tensors) if self._emit else fn(*tensors)
 
     def counts(self) -> dict[str, int]:
         """Composites marked, by name (SDPA included), in a stable order."""
