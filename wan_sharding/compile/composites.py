@@ -219,3 +219,16 @@ def ttir_composite_counts(ttir_text: str) -> dict[str, int]:
     names = ("scaled_dot_product_attention", "rms_norm", "distributed_rms_norm", "layer_norm", "gelu")
     counts = {n: len(re.findall(rf'"?ttir\.{n}"?[( ]', ttir_text)) for n in names}
     return {n: c for n, c in counts.items() if c}
+
+
+def sdpa_causal_flags(stablehlo_text: str) -> list[str | None]:
+    """The ``is_causal`` attribute of every SDPA composite in a StableHLO text module (``None``
+    where it is missing: tt-mlir's ``StableHLOLegalizeCompositePass`` then reads it as causal)."""
+    import re
+
+    flags = []
+    for m in re.finditer(rf'composite "{re.escape(SDPA_COMPOSITE)}"[^{{]*\{{composite_attributes = \{{([^}}]*)\}}',
+                         stablehlo_text):
+        hit = re.search(r"is_causal = (\w+)", m.group(1))
+        flags.append(hit.group(1) if hit else None)
+    return flags
