@@ -39,6 +39,10 @@ PLAIN = dict(composites="sdpa", compile_options={"optimization_level": 0, "dram_
                                                  "enable_trace": False})
 
 
+PLAIN_ARGS = ("--composites", "sdpa", "--compile-options",
+              "optimization_level=0,enable_trace=false,experimental-enable-dram-space-saving-optimization=false")
+
+
 def _proxy(mesh: str, blocks: int, padding: str = "slice", anchor: bool = True) -> CompileRequest:
     return CompileRequest(variant="t2v-a14b", size="full", mesh=mesh, blocks=blocks, padding=padding,
                           anchor=anchor, latent=latent_for("480p"), resolution="480p", **PLAIN)
@@ -166,9 +170,7 @@ def test_compile_command_json_and_exit_code(tmp_path: Path, capsys: pytest.Captu
     # Tiny model, 3x8x8 latent: 48 tokens, 6 per device on SP 8 unpadded -> exit 1 (not aligned)
     # while the bill itself matches the design.
     args = _parse(["compile", "--size", "tiny", "--latent", "3,8,8", "--mesh", "8x4", "--blocks", "2",
-                   "--padding", "none", "--out", str(tmp_path), "--json", "--composites", "sdpa",
-                   "--compile-options", "optimization_level=0,enable_trace=false,"
-                   "experimental-enable-dram-space-saving-optimization=false"])
+                   "--padding", "none", "--out", str(tmp_path), "--json", *PLAIN_ARGS])
     rc = args.func(args)
     report = json.loads(capsys.readouterr().out)
     assert rc == EXIT_CHECK_FAILED, report
@@ -189,7 +191,7 @@ def test_compile_command_json_and_exit_code(tmp_path: Path, capsys: pytest.Captu
 def test_compile_command_padding_mode_reports_what_padding_adds(capsys: pytest.CaptureFixture[str]) -> None:
     # 48 tokens -> 256 on SP 8 with the key mask: aligned, bill as designed, nothing added per block.
     args = _parse(["compile", "--size", "tiny", "--latent", "3,8,8", "--mesh", "8x4", "--blocks", "2",
-                   "--padding", "mask", "--json"])
+                   "--padding", "mask", "--json", *PLAIN_ARGS])
     rc = args.func(args)
     report = json.loads(capsys.readouterr().out)
     assert rc == EXIT_OK, report
