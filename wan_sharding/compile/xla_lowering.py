@@ -9,7 +9,7 @@ does the same with stock torch-xla on CPU virtual devices, in its own worker pro
 1. build the DiT, shard it the ordinary way (``shard_dit_specs`` + ``xs.mark_sharding`` through
    :class:`~wan_sharding.backends.xla.XlaBackend`, ``apply_dit_sp_activation_sharding(...,
    backend="xla")``);
-2. trace one forward lazily (nothing executes) under :class:`~wan_sharding.fused_sdpa.FusedSDPA`,
+2. trace one forward lazily (nothing executes) under :class:`.composites.HardwareComposites`,
    with every scalar inlined as a constant (the composite's body may not use values from
    outside it; torch-xla's own exporter does the same);
 3. take the pre-partitioning module (``xm.get_stablehlo``: global shapes, GSPMD shardings),
