@@ -35,8 +35,10 @@ from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: 
 # TTNN op name -> class, for the per-block table.
 CLASSES = {
     "matmul/linear": ("matmul", "linear"),
+    # the fused norms, their distributed pieces, and the plain math (torch-xla's LayerNorm is a
+    # batch_norm_training; a plain RMSNorm is pow + sum/mean + rsqrt)
     "norm": ("layer_norm", "rms_norm", "distributed_rms_norm", "rms_norm_pre_all_gather", "rms_norm_post_all_gather",
-             "batch_norm", "mean", "rsqrt", "var"),
+             "batch_norm_training", "batch_norm_inference", "mean", "sum", "pow_scalar", "rsqrt", "var"),
     "attention": ("scaled_dot_product_attention", "softmax"),
     "data movement": ("reshape", "permute", "typecast", "to_layout", "to_memory_config", "slice_static", "concat",
                       "pad", "repeat", "rows_scatter", "transpose", "embedding"),
@@ -112,7 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["torch-xla", "torchax"], default=None)
     p.add_argument("--level1", action="store_true", help="also compile at optimization level 1 on Blackhole")
     p.add_argument("--out", default=str(ROOT / "results" / "hardware.json"))
+    p.add_argument("--render", action="store_true", help="print the table of --out again (classes recomputed), no compile")
     args = p.parse_args(argv)
+    if args.render:
+        rows = json.loads(Path(args.out).read_text())["rows"]
+        for r in rows:
+            r["per_block_classes"] = op_classes(r["per_block_ops"]) if r["per_block_ops"] else None
+        print(markdown(rows))
+        return 0
     install_signal_handlers()
     rows = []
     t0 = time.time()
