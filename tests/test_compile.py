@@ -33,9 +33,19 @@ L_480P = 32760  # 21 x 30 x 52
 L_480P_PADDED = 32768  # to a multiple of SP x 32 for SP 1, 2 and 8
 
 
+# The design's bill in its plain form: fused SDPA only, tt-mlir's default options (hardware's
+# composite set and options are tests/test_frontends.py and tests/test_hardware_compile.py).
+PLAIN = dict(composites="sdpa", compile_options={"optimization_level": 0, "dram_space_saving": False,
+                                                 "enable_trace": False})
+
+
+PLAIN_ARGS = ("--composites", "sdpa", "--compile-options",
+              "optimization_level=0,enable_trace=false,experimental-enable-dram-space-saving-optimization=false")
+
+
 def _proxy(mesh: str, blocks: int, padding: str = "slice", anchor: bool = True) -> CompileRequest:
     return CompileRequest(variant="t2v-a14b", size="full", mesh=mesh, blocks=blocks, padding=padding,
-                          anchor=anchor, latent=latent_for("480p"), resolution="480p")
+                          anchor=anchor, latent=latent_for("480p"), resolution="480p", **PLAIN)
 
 
 BATCH = {
@@ -160,7 +170,7 @@ def test_compile_command_json_and_exit_code(tmp_path: Path, capsys: pytest.Captu
     # Tiny model, 3x8x8 latent: 48 tokens, 6 per device on SP 8 unpadded -> exit 1 (not aligned)
     # while the bill itself matches the design.
     args = _parse(["compile", "--size", "tiny", "--latent", "3,8,8", "--mesh", "8x4", "--blocks", "2",
-                   "--padding", "none", "--out", str(tmp_path), "--json"])
+                   "--padding", "none", "--out", str(tmp_path), "--json", *PLAIN_ARGS])
     rc = args.func(args)
     report = json.loads(capsys.readouterr().out)
     assert rc == EXIT_CHECK_FAILED, report
@@ -168,7 +178,9 @@ def test_compile_command_json_and_exit_code(tmp_path: Path, capsys: pytest.Captu
                 "bill_ok", "tile_aligned"):
         assert key in report, key
     assert report["per_block"] == {"all_gather": 2, "all_reduce": 7}
-    assert report["bill_ok"] is True
+    assert report["bill_ok"] is True and report["composites"] == "sdpa" and report["notes"] == []
+    assert report["options_used"] == {"optimization_level": "0", "enable_trace": "false",
+                                      "experimental-enable-dram-space-saving-optimization": "false"}
     assert report["tile_aligned"] is False and report["token_dims"] == [6]
     assert report["ops"]["mesh_partition"] == 4
     assert (tmp_path / "report.json").exists()
@@ -179,7 +191,7 @@ def test_compile_command_json_and_exit_code(tmp_path: Path, capsys: pytest.Captu
 def test_compile_command_padding_mode_reports_what_padding_adds(capsys: pytest.CaptureFixture[str]) -> None:
     # 48 tokens -> 256 on SP 8 with the key mask: aligned, bill as designed, nothing added per block.
     args = _parse(["compile", "--size", "tiny", "--latent", "3,8,8", "--mesh", "8x4", "--blocks", "2",
-                   "--padding", "mask", "--json"])
+                   "--padding", "mask", "--json", *PLAIN_ARGS])
     rc = args.func(args)
     report = json.loads(capsys.readouterr().out)
     assert rc == EXIT_OK, report

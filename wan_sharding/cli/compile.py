@@ -20,11 +20,12 @@ from typing import Any
 from ..compile import (EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, compile_reports, format_report,
                        latent_for, report_exit_code, sysdesc)
 from ..mesh import PRESETS, MeshError, mesh_from_preset
+from ..compile.composites import COMPOSITE_SETS, DEFAULT_COMPOSITES
 from ..compile.request import FRONTENDS
 from ..models import RESOLUTIONS, VARIANTS
 from ..workers import atomic_write
 from .args import add_dtype, add_padding, add_patches, add_plan
-from .validate import apply_plan, latent, output_dir, output_file, positive_float, positive_int
+from .validate import apply_plan, compile_options, latent, output_dir, output_file, positive_float, positive_int
 
 
 def _validate_sysdesc(args: argparse.Namespace) -> None:
@@ -76,7 +77,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         fields = dict(
             variant=args.variant, latent=latent, blocks=blocks, size=args.size,
             anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
-            frontend=args.frontend, fused_sdpa=not args.no_fused_sdpa, patches=tuple(args.patches),
+            frontend=args.frontend, patches=tuple(args.patches),
+            composites="none" if args.no_fused_sdpa else args.composites, compile_options=args.compile_options,
             resolution=args.resolution if args.latent is None else None,
             out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
         )
@@ -134,8 +136,14 @@ def add_subcommands(sub: Any) -> None:
                    help="torchax: the DiT as a JAX function, abstract weights (any depth); torch-xla: the lowering "
                         "Tenstorrent hardware compiles (real weights in host memory: keep full width to a few blocks)")
     add_patches(c)
-    c.add_argument("--no-fused-sdpa", action="store_true",
-                   help="leave bf16 attention as plain math instead of Tenstorrent's fused SDPA composite")
+    c.add_argument("--composites", choices=list(COMPOSITE_SETS), default=DEFAULT_COMPOSITES,
+                   help="StableHLO composites the trace marks: hardware (default: what tt-xla's torch plugin marks: "
+                        "SDPA, RMSNorm, LayerNorm, GELU; docs/compile-hardware.md), sdpa (fused attention only), none")
+    c.add_argument("--compile-options", type=compile_options, default=None, metavar="KEY=VALUE,...",
+                   help="tt-mlir options as tt-xla's plugin spells them, over hardware's defaults (optimization_level=1,"
+                        "experimental-enable-dram-space-saving-optimization=true,enable_trace=true); e.g. "
+                        "optimization_level=0")
+    c.add_argument("--no-fused-sdpa", action="store_true", help="the same as --composites none")
     c.add_argument("--no-anchor", action="store_true",
                    help="drop the replicated constraint before each L-on-SP split (shows why it is there)")
     c.add_argument("--out", default=None, help="folder for IRs, logs and report.json (default: a new temp folder, "

@@ -51,6 +51,18 @@ def positive_float(text: str) -> float:
     return value
 
 
+def compile_options(text: str) -> dict[str, Any]:
+    """``--compile-options``: ``key=value,...`` or a JSON object of tt-mlir options, keys as
+    tt-xla's plugin spells them (``wan_sharding.compile.options``); checked here, returned as the
+    request's ``compile_options`` (our field names)."""
+    from ..compile.options import CompileOptions
+
+    try:
+        return CompileOptions.parse(text).to_json()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # The DiT patch (frames, height, width): the same for every Wan 2.2 variant (wan_sharding.models).
 PATCH = (1, 2, 2)
 

@@ -11,7 +11,9 @@ The pieces, caller to worker and back:
 - :mod:`.bill`: that text read against the design (per-block bill, tile alignment, padding cost);
 - :mod:`.report`: the reports ``wan-sharding compile`` prints (:func:`compile_reports`);
 - :mod:`.xla_lowering` + :mod:`.shardy`: the torch-xla frontend (the lowering hardware compiles) and
-  its GSPMD -> Shardy converter.
+  its GSPMD -> Shardy converter;
+- :mod:`.composites`: the StableHLO composites tt-xla's torch plugin marks (``--composites``);
+- :mod:`.options`: tt-mlir compile options as tt-xla's plugin reads them (``--compile-options``).
 """
 
 from .bill import (DATA_MOVEMENT_OPS, BillEntry, BlockBill, DesignBytes, attention_report, bill_from_files, bill_ok,

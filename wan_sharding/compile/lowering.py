@@ -39,7 +39,7 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
 
     from ..activation import apply_dit_sp_activation_sharding
     from ..backends.jax import JaxBackend
-    from ..fused_sdpa import FusedSDPA
+    from .composites import HardwareComposites
     from ..models import build_dit
     from ..specs import shard_dit_specs
 
@@ -79,7 +79,7 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
             "encoder_hidden_states": jax.ShapeDtypeStruct(
                 (req.batch, PROMPT_TOKENS[req.size], cfg["text_dim"]), act, sharding=rep),
         }
-        fused = FusedSDPA(backend) if req.fused_sdpa else None
+        fused = HardwareComposites(backend, dit, req.composites, split_tokens=lambda: handle.state.padded_len) if req.composites != "none" else None
         t1 = time.perf_counter()
         lowered = jax.jit(backend.jax_forward(dit, fused_sdpa=fused)).lower(state, (), inputs)
         t2 = time.perf_counter()
@@ -90,17 +90,46 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
             "tokens": handle.state.valid_len, "padded_tokens": handle.state.padded_len,
             "sdpa_fused": fused.fused if fused is not None else 0,
             "sdpa_plain": fused.plain if fused is not None else None,
+            "composites_marked": fused.counts() if fused is not None else {},
         }
-        try:
-            lowered.compile(compiler_options={"export_path": str(out_dir)})
-            result["ok"] = True
-        except Exception as e:  # the plugin raises XlaRuntimeError / JaxRuntimeError
-            result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
+        _compile_with_options(lambda o: lowered.compile(compiler_options={"export_path": str(out_dir), **o}),
+                              req, result)
         t3 = time.perf_counter()
         result.update(compile_seconds=round(t3 - t2, 3), total_seconds=round(t3 - t0, 3))
         return _with_irs(result, out_dir)
     finally:
         handle.remove()
+
+
+# What the plugin says when its TTIR -> TTNN pipeline fails; with DRAM space saving on, that is what
+# tt-mlir 0.1.3 gives for the torch-xla lowering of the DiT at every level (no diagnostic printed).
+_TTNN_PIPELINE_FAILED = "Failed to run TTIRToTTNNCommon pipeline"
+DRAM_NOTE = ("experimental-enable-dram-space-saving-optimization=true failed in tt-mlir's TTIR -> TTNN pipeline "
+             "('Failed to run TTIRToTTNNCommon pipeline', no diagnostic); compiled again with it false")
+
+
+def _compile_with_options(compile: Any, req: CompileRequest, result: dict[str, Any]) -> None:
+    """``compile(plugin options)`` with the request's options; where DRAM space saving makes tt-mlir's
+    TTNN pipeline fail, once more without it (``options_note`` says so). Fills ``ok``, ``error``,
+    ``options_used``."""
+    import dataclasses
+
+    options = req.options()
+    try:
+        compile(options.plugin_options())
+        result.update(ok=True, options_used=options.plugin_options())
+        return
+    except Exception as e:  # the plugin raises XlaRuntimeError / JaxRuntimeError when tt-mlir rejects it
+        result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000], options_used=options.plugin_options())
+        if not (options.dram_space_saving and _TTNN_PIPELINE_FAILED in str(e)):
+            return
+    retry = dataclasses.replace(options, dram_space_saving=False)
+    print(f"wan_sharding.compile: {DRAM_NOTE}", flush=True)
+    try:
+        compile(retry.plugin_options())
+        result.update(ok=True, error=None, options_used=retry.plugin_options(), options_note=DRAM_NOTE)
+    except Exception as e:
+        result.update(error=f"{type(e).__name__}: {e}"[:8000], options_used=retry.plugin_options())
 
 
 def _with_irs(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
@@ -121,14 +150,11 @@ def compile_traced(req: CompileRequest, traced: dict[str, Any]) -> dict[str, Any
 
     out_dir = Path(req.out_dir or tempfile.mkdtemp(prefix="wan_ir_"))
     result = {k: traced[k] for k in ("stablehlo_path", "trace_seconds", "trace_rss_mb", "sp_points", "tokens",
-                                     "padded_tokens", "sdpa_fused", "sdpa_plain") if k in traced}
+                                     "padded_tokens", "sdpa_fused", "sdpa_plain", "composites_marked") if k in traced}
     result.update(out_dir=str(out_dir), lower_seconds=traced.get("trace_seconds"))
     t0 = time.perf_counter()
-    try:
-        compile_stablehlo_text(Path(traced["stablehlo_path"]).read_text(), req.num_devices, out_dir)
-        result["ok"] = True
-    except Exception as e:  # the plugin raises XlaRuntimeError when tt-mlir rejects the module
-        result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
+    text = Path(traced["stablehlo_path"]).read_text()
+    _compile_with_options(lambda o: compile_stablehlo_text(text, req.num_devices, out_dir, o), req, result)
     seconds = round(time.perf_counter() - t0, 3)
     result.update(compile_seconds=seconds, total_seconds=round(seconds + (traced.get("trace_seconds") or 0), 3))
     return _with_irs(result, out_dir)

@@ -45,7 +45,11 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         "resolution": req.resolution or "x".join(map(str, req.latent)),
         "latent": list(req.latent), "variant": req.variant, "size": req.size, "blocks": req.num_blocks,
         "padding": req.padding, "anchor": req.anchor, "dtype": req.dtype, "frontend": req.frontend,
-        "fused_sdpa": req.fused_sdpa, "patches": list(req.patches),
+        "composites": req.composites, "patches": list(req.patches),
+        "composites_marked": main.composites_marked,
+        "options_requested": req.options().to_json() if req.compile_options is None else dict(req.compile_options),
+        "options_used": main.options_used,
+        "notes": list(req.notes) + ([main.options_note] if main.options_note else []),
         "tokens": main.tokens, "padded_tokens": main.padded_tokens,
         "compile_seconds": main.compile_seconds, "lower_seconds": main.lower_seconds,
         "build_lower_compile_seconds": main.total_seconds, "rss_mb": main.rss_mb,
@@ -65,6 +69,10 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         attention.update(traced_fused=main.sdpa_fused, traced_plain=main.sdpa_plain)
     flatbuffers = sorted(Path(main.out_dir).glob("*.ttnn")) if main.out_dir else []
     constants = [op for op in module.op_list if op.name == "constant"]
+    if main.ttir_path:
+        from .composites import ttir_composite_counts
+
+        report["composites_ttir"] = ttir_composite_counts(Path(main.ttir_path).read_text())
     report.update(
         sdpa=attention,
         # What the program carries: the flatbuffer tt-mlir wrote (runtime program + constants), the
@@ -155,6 +163,20 @@ def report_exit_code(report: dict[str, Any]) -> int:
     return EXIT_OK if report["bill_ok"] and report["tile_aligned"] and q_split else EXIT_CHECK_FAILED
 
 
+def composite_lines(report: dict[str, Any]) -> list[str]:
+    """The composite set, what was marked and what reached TTIR fused, the options used and every
+    note on what differs from the request (hardware's defaults)."""
+    marked = ", ".join(f"{k.split('.', 1)[-1]} {v}" for k, v in (report.get("composites_marked") or {}).items())
+    lines = [f"composites: {report.get('composites')} (marked: {marked or 'none'})"]
+    if report.get("composites_ttir") is not None:
+        ttir = ", ".join(f"{k} {v}" for k, v in report["composites_ttir"].items())
+        lines.append(f"  fused in TTIR: {ttir or 'none'}")
+    if report.get("options_used"):
+        lines.append("tt-mlir options: " + ", ".join(f"{k}={v}" for k, v in report["options_used"].items()))
+    lines += [f"  note: {n}" for n in report.get("notes") or []]
+    return lines
+
+
 def format_report(report: dict[str, Any], top: int = 25) -> str:
     """Human-readable text for one report."""
     lines = [
@@ -165,6 +187,7 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
     ]
     if report.get("tokens"):
         lines.append(f"tokens: {report['tokens']} -> padded {report['padded_tokens']}")
+    lines += composite_lines(report)
     if not report["ok"]:
         lines.append(f"COMPILE FAILED: {report.get('error')}")
         # MLIR call-site locations run to kilobytes; the head names the op and the tail the error.

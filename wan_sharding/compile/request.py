@@ -12,13 +12,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..mesh import MeshError, MeshSpec, mesh_from_preset
 from ..models import FULL_CONFIGS, RESOLUTIONS, LatentShape, config_for
 from ..options import DEFAULT_PADDING, DTYPES, PADDING_NAMES, dtype_name
 from ..plan import ShardingPlan
 from ..systems import tt_mlir_rejects
+
+if TYPE_CHECKING:
+    from .options import CompileOptions
 
 # dtypes of the timestep input, as ``jax.numpy`` names them.
 TIMESTEP_DTYPES = ("float32", "bfloat16")
@@ -57,8 +60,13 @@ class CompileRequest:
         resolution: display name of ``latent`` (e.g. ``"480p"``); informational.
         out_dir: where the compiler writes its IRs; a fresh temporary folder when ``None``.
         frontend: ``"torchax"`` (default) or ``"torch-xla"`` (:data:`FRONTENDS`).
-        fused_sdpa: bf16 attention as Tenstorrent's fused SDPA composite, as hardware gets it
-            (``wan_sharding.fused_sdpa``); f32 attention stays plain math either way.
+        composites: which StableHLO composites the trace marks (:mod:`.composites`):
+            ``"hardware"`` (default: what tt-xla's torch plugin marks: SDPA, RMSNorm, LayerNorm,
+            GELU), ``"sdpa"`` (bf16 attention only) or ``"none"``. f32 attention stays plain math.
+        compile_options: tt-mlir options (:class:`.options.CompileOptions` fields); ``None``: the
+            hardware defaults (level 1, DRAM space saving, trace). The runner may lower the level
+            where it cannot run here and says so in ``notes``.
+        notes: one line per thing the runner changed against the request, and why.
         patches: model rewrites applied before sharding (``wan_sharding.patches``), e.g.
             ``("rope",)``.
         plan: a whole :class:`~wan_sharding.plan.ShardingPlan` (axes and order of SP / TP, FSDP,
@@ -82,12 +90,15 @@ class CompileRequest:
     resolution: str | None = None
     out_dir: str | None = None
     frontend: str = "torchax"
-    fused_sdpa: bool = True
+    composites: str = "hardware"
+    compile_options: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
     patches: tuple[str, ...] = ()
     plan: ShardingPlan | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patches", tuple(self.patches))
+        object.__setattr__(self, "notes", tuple(self.notes))
         try:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
         except ValueError:
@@ -145,12 +156,27 @@ class CompileRequest:
             raise CompileError(f"batch must be >= 1, got {self.batch}")
         if self.frontend not in FRONTENDS:
             raise CompileError(f"unknown frontend {self.frontend!r}; choose one of {', '.join(FRONTENDS)}")
+        from .composites import COMPOSITE_SETS
+        from .options import CompileOptions
+
+        if self.composites not in COMPOSITE_SETS:
+            raise CompileError(f"unknown composite set {self.composites!r}; choose one of {', '.join(COMPOSITE_SETS)}")
+        try:
+            self.options()
+        except ValueError as e:
+            raise CompileError(str(e)) from None
         from ..patches import PATCHES
 
         unknown = [p for p in self.patches if p not in PATCHES]
         if unknown or len(set(self.patches)) != len(self.patches):
             raise CompileError(f"patches must be distinct names from {', '.join(PATCHES)}, got {list(self.patches)}")
         return self
+
+    def options(self) -> "CompileOptions":
+        """The tt-mlir compile options of this request (hardware's when none were given)."""
+        from .options import CompileOptions
+
+        return CompileOptions.parse(self.compile_options)
 
     @property
     def num_devices(self) -> int:
@@ -168,7 +194,8 @@ class CompileRequest:
     def label(self) -> str:
         lat = self.resolution or "x".join(map(str, self.latent))
         extra = (("" if self.anchor else " no-anchor") + ("" if self.frontend == "torchax" else f" [{self.frontend}]")
-                 + (f" +{'+'.join(self.patches)}" if self.patches else ""))
+                 + (f" +{'+'.join(self.patches)}" if self.patches else "")
+                 + ("" if self.composites == "hardware" else f" composites={self.composites}"))
         if self.plan is not None:
             return f"{self.variant}/{self.size} {self.num_blocks}blk {lat} plan [{self.plan.name}]{extra}"
         return f"{self.variant}/{self.size} {self.num_blocks}blk {self.mesh} {lat} pad={self.padding}{extra}"
@@ -177,12 +204,15 @@ class CompileRequest:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["latent"] = list(self.latent)
         d["patches"] = list(self.patches)
+        d["notes"] = list(self.notes)
         d["plan"] = None if self.plan is None else self.plan.to_dict()
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "CompileRequest":
         d = dict(d)
+        if "fused_sdpa" in d:  # results written before composite sets existed
+            d.setdefault("composites", "sdpa" if d.pop("fused_sdpa") else "none")
         d["latent"] = tuple(int(v) for v in d["latent"])
         if d.get("plan") is not None:
             d["plan"] = ShardingPlan.from_dict(d["plan"])
@@ -231,6 +261,9 @@ class CompileResult:
     rss_mb: float | None = None
     sdpa_fused: int | None = None  # attention calls traced as the fused SDPA composite
     sdpa_plain: int | None = None  # attention calls left as plain math (not bf16)
+    composites_marked: dict[str, int] = field(default_factory=dict)  # composites the trace marked, by name
+    options_used: dict[str, Any] | None = None  # the plugin options the compile was given
+    options_note: str | None = None  # why options_used differs from the request's options
     trace_seconds: float | None = None  # torch-xla frontend: the trace in its own worker
     trace_rss_mb: float | None = None  # torch-xla frontend: peak memory of that worker
     stablehlo_path: str | None = None  # torch-xla frontend: the Shardy module tt-mlir compiled

@@ -233,6 +233,7 @@ def compile_many(
     if arch not in sysdesc.ARCHS:
         raise CompileError(f"unknown arch {arch!r}; known: {', '.join(sysdesc.ARCHS)}")
     check_plugin()
+    reqs = [for_arch(r, arch) for r in reqs]
     work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="wan_compile_"))
     work.mkdir(parents=True, exist_ok=True)
     desc = prepare_descriptor(arch, max(r.num_devices for r in reqs), work)
@@ -299,6 +300,28 @@ def compile_many(
         )
         pending = left[1:]
     return [results[i] for i in range(len(reqs))]
+
+
+# Why level >= 1 compiles add the patchify patch (one line, recorded in the request's notes).
+CONV3D_NOTE = ("optimization level >= 1 validates every op on tt-metal's mock device and ttnn::conv3d (the patch "
+               "embedding) has no op model there ('ttnn::conv3d is not linked'); added the exact 'patchify' patch")
+
+
+def for_arch(req: CompileRequest, arch: str) -> CompileRequest:
+    """``req`` as it can compile here for ``arch``: its options resolved (the optimization level
+    lowered where level >= 1 cannot run, :func:`.options.effective_options`), the ``patchify``
+    patch added at level >= 1; each change recorded in ``notes`` with its reason."""
+    from .options import effective_options
+
+    options, why = effective_options(req.options(), arch)
+    notes = list(req.notes)
+    patches = tuple(req.patches)
+    if why and why not in notes:
+        notes.append(why)
+    if options.optimization_level >= 1 and "patchify" not in patches:
+        patches += ("patchify",)
+        notes.append(CONV3D_NOTE)
+    return dataclasses.replace(req, compile_options=options.to_json(), notes=tuple(notes), patches=patches)
 
 
 def _trace_torch_xla(reqs: list[CompileRequest], work: Path, deadline: float, python: str | None,

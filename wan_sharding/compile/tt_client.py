@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -31,14 +31,17 @@ def _find_ir(out_dir: Path, stage: str) -> str | None:
     return str(hits[-1]) if hits else None
 
 
-def compile_stablehlo_text(module_text: str, num_devices: int, export_dir: str | Path) -> TextCompileResult:
+def compile_stablehlo_text(module_text: str, num_devices: int, export_dir: str | Path,
+                           options: Mapping[str, str] | None = None) -> TextCompileResult:
     """Compile a (Shardy) StableHLO text module on the Tenstorrent PJRT client, exporting IR.
 
     Must run in a process where JAX sees the ``tt`` platform (``TT_COMPILE_ONLY_SYSTEM_DESC`` set
     before JAX starts, ``JAX_PLATFORMS`` unset: ``runner.worker_env``). The module is compiled
     for the first ``num_devices`` devices, one replica, ``num_devices`` partitions; the plugin
     writes its IRs to ``export_dir/irs/`` (compile option ``export_path``, as ``lowered.compile``
-    passes it in :mod:`.lowering`).
+    passes it in :mod:`.lowering`). ``options``: further plugin compile options by the plugin's
+    own keys (:meth:`.options.CompileOptions.plugin_options`); ``None`` sends none (tt-mlir's
+    defaults: level 0, no DRAM saving, no trace).
 
     Raises:
         RuntimeError: JAX's backend is not the tt plugin or has too few devices;
@@ -59,7 +62,7 @@ def compile_stablehlo_text(module_text: str, num_devices: int, export_dir: str |
     opts = compiler.get_compile_options(
         num_replicas=1, num_partitions=num_devices,
         device_assignment=np.array(devices).reshape(1, num_devices),
-        env_options_overrides={"export_path": str(export)}, backend=backend)
+        env_options_overrides={"export_path": str(export), **dict(options or {})}, backend=backend)
     t0 = time.perf_counter()
     backend.compile_and_load(module_text, xc.DeviceList(tuple(devices)), opts)
     return TextCompileResult(_find_ir(export, "ttnn"), _find_ir(export, "ttir"), round(time.perf_counter() - t0, 3))

@@ -35,6 +35,7 @@ from typing import Iterable, Mapping
 COLLECTIVES = (
     "all_gather", "all_reduce", "reduce_scatter", "mesh_partition", "mesh_shard", "all_to_all",
     "collective_permute", "collective_broadcast", "point_to_point",
+    "distributed_rms_norm",  # RMSNorm with its statistics exchanged inside (tt-mlir's fused form)
 )
 # The op names worth a line of their own in reports (the padding cost shows in slice_static).
 REPORTED_OPS = ("all_gather", "all_reduce", "reduce_scatter", "mesh_partition", "slice_static", "pad",
@@ -167,6 +168,10 @@ class Collective:
     dim: int | None  # gather / scatter / partition dim, normalised to be >= 0
     reduce: str | None
     line: int
+    # RMSNorm statistics exchanged over TP: the all_gather after ``rms_norm_pre_all_gather`` (one
+    # tile of per-row sums per device) or a fused ``distributed_rms_norm``. Small by what it
+    # carries (one value per row), whatever its tile-padded shape says.
+    stats: bool = False
 
     @property
     def bytes(self) -> int:
@@ -180,14 +185,14 @@ class Collective:
 
     @property
     def size(self) -> str:
-        return "small" if is_small(self.payload) else "large"
+        return "small" if self.stats or is_small(self.payload) else "large"
 
     def key(self) -> tuple:
         return (self.kind, self.cluster_axis, self.dim, self.payload.shape, self.payload.dtype,
                 self.result.shape)
 
 
-def _collective(op: Op, line: str) -> Collective:
+def _collective(op: Op, line: str, stats: bool = False) -> Collective:
     operands, results = op.operands, op.results
     if not op.typed:  # unexpected layout: take all types on the line, the last one is the result
         types = tensor_types(line)
@@ -200,7 +205,7 @@ def _collective(op: Op, line: str) -> Collective:
     if dim is not None and dim < 0:
         dim += len(result.shape)
     return Collective(op.name, operands[0] if operands else None, result, op.attrs.get("cluster_axis"), dim,
-                      red.group(1) if red else None, op.line)
+                      red.group(1) if red else None, op.line, stats)
 
 
 @dataclass
@@ -222,6 +227,7 @@ class TTNNModule:
         op_list: list[Op] = []
         mesh_shape = None
         const_eval = False
+        previous = None  # the last op before this one, deallocations left out
         for lineno, line in enumerate(text.splitlines(), 1):
             if "func.func" in line:
                 const_eval = "const_eval" in line
@@ -237,7 +243,11 @@ class TTNNModule:
                 if m:
                     mesh_shape = tuple(int(s) for s in m.group(1).split("x"))
             if op.name in COLLECTIVES:
-                colls.append(_collective(op, line))
+                stats = op.name == "distributed_rms_norm" or (
+                    op.name == "all_gather" and previous == "rms_norm_pre_all_gather")
+                colls.append(_collective(op, line, stats))
+            if op.name != "deallocate":
+                previous = op.name
         if not ops:
             raise IRError(f"no \"ttnn.<op>\"( in {path or 'the text'}: not a TTNN module")
         return cls(ops, colls, mesh_shape, path, op_list)

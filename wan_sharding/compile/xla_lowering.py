@@ -9,7 +9,7 @@ does the same with stock torch-xla on CPU virtual devices, in its own worker pro
 1. build the DiT, shard it the ordinary way (``shard_dit_specs`` + ``xs.mark_sharding`` through
    :class:`~wan_sharding.backends.xla.XlaBackend`, ``apply_dit_sp_activation_sharding(...,
    backend="xla")``);
-2. trace one forward lazily (nothing executes) under :class:`~wan_sharding.fused_sdpa.FusedSDPA`,
+2. trace one forward lazily (nothing executes) under :class:`.composites.HardwareComposites`,
    with every scalar inlined as a constant (the composite's body may not use values from
    outside it; torch-xla's own exporter does the same);
 3. take the pre-partitioning module (``xm.get_stablehlo``: global shapes, GSPMD shardings),
@@ -45,7 +45,7 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
 
     from ..activation import apply_dit_sp_activation_sharding
     from ..backends.xla import XlaBackend
-    from ..fused_sdpa import FusedSDPA
+    from .composites import HardwareComposites
     from ..models import PER_TOKEN_TIMESTEPS, PROMPT_TOKENS, build_dit, config_for
     from ..options import torch_dtype
     from ..specs import shard_dit_specs
@@ -77,7 +77,7 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
             "encoder_hidden_states": torch.zeros(req.batch, PROMPT_TOKENS[req.size], cfg["text_dim"],
                                                  dtype=dtype).to(dev),
         }
-        fused = FusedSDPA(backend) if req.fused_sdpa else None
+        fused = HardwareComposites(backend, dit, req.composites, split_tokens=lambda: handle.state.padded_len) if req.composites != "none" else None
         t1 = time.perf_counter()
         torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)
         try:
@@ -97,6 +97,7 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
             "build_seconds": round(t1 - t0, 3), "sp_points": handle.points, "tokens": handle.state.valid_len,
             "padded_tokens": handle.state.padded_len, "sdpa_fused": fused.fused if fused is not None else 0,
             "sdpa_plain": fused.plain if fused is not None else None,
+            "composites_marked": fused.counts() if fused is not None else {},
             "trace_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         }
     finally:

@@ -70,7 +70,9 @@ class Chip:
 # binaries, CCL scratch buffers, the prompt and timestep tensors, allocator fragmentation (assumed).
 DRAM_RESERVE = 0.05
 
-# Per-chip performance. Reference: docs/hardware-facts.md ("Chip figures": Tenstorrent's public
+# Per-chip performance; ``peak_tflops`` is the spec figure for ``peak_cores`` worker cores and
+# scales with the descriptor's grid (:func:`worker_cores`), so compute follows the grid we compile
+# for. Reference: docs/hardware-facts.md ("Chip figures": Tenstorrent's public
 # spec pages for Wormhole n150 / Blackhole p150; the Blackhole bf16 figure is third-party).
 # matmul_efficiency: tt-metal's hand-written Wan 2.2 runs 720p on a Wormhole Galaxy in ~4.4 s per
 # forward for ~6.5 PFLOP, i.e. ~46 TFLOPS per chip = ~0.6 of the 74 peak (docs/hardware-facts.md); a
@@ -80,14 +82,21 @@ DRAM_RESERVE = 0.05
 # (read + write of 32768 x 10 heads x 128 bf16), so such a slice runs at ~4 GB/s, far below DRAM
 # speed (it cuts a length that is no longer whole tiles). Blackhole: scaled by the DRAM bandwidth ratio (assumed).
 CHIP_PERF: dict[str, dict[str, float | str]] = {
-    "wormhole_b0": {"peak_tflops": 74.0, "dram_gbps": 288.0, "matmul_efficiency": 0.6, "slice_back_gbps": 4.1,
+    "wormhole_b0": {"peak_tflops": 74.0, "peak_cores": 64, "dram_gbps": 288.0, "matmul_efficiency": 0.6, "slice_back_gbps": 4.1,
                     "source": "Wormhole n150 spec (74 TFLOPS fp16/bf16, 288 GB/s GDDR6); efficiency and "
                               "slice-back rate calibrated from reference measurements (see planner/hardware.py)"},
-    "blackhole": {"peak_tflops": 332.0, "dram_gbps": 512.0, "matmul_efficiency": 0.6, "slice_back_gbps": 7.3,
+    "blackhole": {"peak_tflops": 332.0, "peak_cores": 120, "dram_gbps": 512.0, "matmul_efficiency": 0.6, "slice_back_gbps": 7.3,
                   "source": "Blackhole p150 spec (512 GB/s GDDR6; ~332 TFLOPS bf16 is a third-party figure); "
                             "efficiency and slice-back rate assumed like Wormhole's"},
 }
 ARCHS: tuple[str, ...] = tuple(CHIP_PERF)
+
+
+def worker_cores(arch: str) -> int:
+    """Tensix worker cores of one chip: the system descriptor's grid (``compile/chips.json``), the
+    grid tt-metal's mock device has (Wormhole n150: 8x8; Blackhole p150: 10x12)."""
+    grid = _chip_json()[arch]["grid_size"]
+    return int(grid["y"]) * int(grid["x"])
 
 
 def chip(arch: str) -> Chip:
@@ -95,7 +104,7 @@ def chip(arch: str) -> Chip:
     if arch not in CHIP_PERF:
         raise HardwareError(f"unknown chip arch {arch!r}; known: {', '.join(ARCHS)}")
     perf = CHIP_PERF[arch]
-    return Chip(arch=arch, peak_tflops=float(perf["peak_tflops"]), dram_gb=float(_chip_json()[arch]["dram_gb"]),
+    return Chip(arch=arch, peak_tflops=float(perf["peak_tflops"]) * worker_cores(arch) / float(perf["peak_cores"]), dram_gb=float(_chip_json()[arch]["dram_gb"]),
                 dram_gbps=float(perf["dram_gbps"]), matmul_efficiency=float(perf["matmul_efficiency"]),
                 slice_back_gbps=float(perf["slice_back_gbps"]), source=str(perf["source"]))
 

@@ -1,0 +1,149 @@
+"""What hardware's composites and compile options change, per block, at full width.
+
+T2V-A14B, 480p, 2 blocks (the per-block figures are the difference of the 1- and 2-block compiles),
+compiled with tt-mlir in compile-only mode for each composite set (``hardware``, ``sdpa``; see
+docs/compile-hardware.md), with and without the exact patches, on the torch-xla frontend (2x4, the
+lowering hardware compiles) and the torchax one (8x4). Printed per configuration: TTNN ops per
+block grouped by class (matmul/linear, norm, attention, elementwise, data movement, collectives,
+other), the composites that reached TTIR, the bill check, the options used and compile seconds.
+``--level1`` adds Blackhole compiles at optimization level 1 (where tt-mlir keeps the fused SDPA);
+they take minutes each.
+
+    python scripts/bench_hardware.py                 # writes results/hardware.json
+    python scripts/bench_hardware.py --only torchax --level1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+from wan_sharding.compile import CompileRequest, compile_reports, latent_for  # noqa: E402
+from wan_sharding.compile.ttnn_ir import COLLECTIVES  # noqa: E402
+from wan_sharding.patches import EXACT_PATCHES  # noqa: E402
+from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
+
+# TTNN op name -> class, for the per-block table.
+CLASSES = {
+    "matmul/linear": ("matmul", "linear"),
+    # the fused norms, their distributed pieces, and the plain math (torch-xla's LayerNorm is a
+    # batch_norm_training; a plain RMSNorm is pow + sum/mean + rsqrt)
+    "norm": ("layer_norm", "rms_norm", "distributed_rms_norm", "rms_norm_pre_all_gather", "rms_norm_post_all_gather",
+             "batch_norm_training", "batch_norm_inference", "mean", "sum", "pow_scalar", "rsqrt", "var"),
+    "attention": ("scaled_dot_product_attention", "softmax"),
+    "data movement": ("reshape", "permute", "typecast", "to_layout", "to_memory_config", "slice_static", "concat",
+                      "pad", "repeat", "rows_scatter", "transpose", "embedding"),
+    "collectives": tuple(c for c in COLLECTIVES if c != "distributed_rms_norm"),
+}
+ELEMENTWISE = ("add", "multiply", "subtract", "divide", "gelu", "silu", "exp", "sin", "cos", "where", "neg",
+               "sqrt", "pow", "reciprocal", "maximum", "minimum", "abs", "tanh", "sigmoid")
+SKIP = ("deallocate", "get_device", "empty", "write_tensor", "create_global_semaphore", "constant", "full",
+        "zeros", "ones", "begin_trace_capture", "end_trace_capture", "execute_trace", "capture_or_execute_trace")
+
+
+def op_classes(per_block_ops: dict[str, float]) -> dict[str, float]:
+    """Per-block TTNN op counts grouped by class (buffer/trace bookkeeping left out)."""
+    out = {k: 0.0 for k in [*CLASSES, "elementwise", "other"]}
+    for name, n in per_block_ops.items():
+        if name in SKIP:
+            continue
+        cls = next((c for c, names in CLASSES.items() if name in names), None)
+        cls = cls or ("elementwise" if name in ELEMENTWISE else "other")
+        out[cls] += n
+    out["total"] = sum(out.values())
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def configs(only: str | None, level1: bool) -> list[tuple[str, str, CompileRequest]]:
+    lat = latent_for("480p")
+    base = dict(variant="t2v-a14b", size="full", blocks=2, latent=lat, resolution="480p", padding="none")
+    rows = []
+    for frontend, mesh in (("torch-xla", "2x4"), ("torchax", "8x4")):
+        if only and frontend != only:
+            continue
+        for comp in ("hardware", "sdpa"):
+            for patches in ((), EXACT_PATCHES):
+                if frontend == "torch-xla" and comp == "sdpa" and patches:
+                    continue  # each torch-xla trace is ~45 s and ~8 GB: the four that tell the story
+                rows.append(("wormhole_b0", f"{frontend} {mesh} {comp}{' +patches' if patches else ''}",
+                             CompileRequest(mesh=mesh, frontend=frontend, composites=comp, patches=patches, **base)))
+        if level1:
+            rows.append(("blackhole", f"{frontend} {mesh} hardware level 1 (blackhole)",
+                         CompileRequest(mesh=mesh, frontend=frontend, composites="hardware", **base)))
+    return rows
+
+
+def row(label: str, arch: str, r: dict) -> dict:
+    out = {"label": label, "arch": arch, "ok": r["ok"], "error": r.get("error"), "frontend": r["frontend"],
+           "mesh": r["mesh"], "composites": r["composites"], "patches": r["patches"],
+           "composites_ttir": r.get("composites_ttir"), "options_used": r.get("options_used"), "notes": r.get("notes"),
+           "bill_ok": r.get("bill_ok"), "bill_problems": r.get("bill_problems"),
+           "per_block_totals": r.get("per_block_totals"), "compile_seconds": r.get("compile_seconds"),
+           "base_compile_seconds": r.get("base_compile_seconds"), "trace_seconds": r.get("trace_seconds")}
+    ops = r.get("per_block_ops") or {}
+    out["per_block_classes"] = op_classes(ops) if ops else None
+    out["per_block_ops"] = ops
+    out["per_block_sdpa_fused"] = ops.get("scaled_dot_product_attention", 0)
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["configuration", "ops/block", *CLASSES, "elementwise", "other", "fused in TTIR", "bill", "level", "compile s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        c = r["per_block_classes"] or {}
+        ttir = ", ".join(f"{k} {v}" for k, v in (r["composites_ttir"] or {}).items())
+        lines.append("| " + " | ".join([
+            r["label"], f"{c.get('total', '-')}", *[f"{c.get(k, '-')}" for k in [*CLASSES, "elementwise", "other"]],
+            ttir or "-", "ok" if r["bill_ok"] else ("FAILED" if not r["ok"] else "differs"),
+            (r["options_used"] or {}).get("optimization_level", "-"), f"{r['compile_seconds']}"]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", choices=["torch-xla", "torchax"], default=None)
+    p.add_argument("--level1", action="store_true", help="also compile at optimization level 1 on Blackhole")
+    p.add_argument("--out", default=str(ROOT / "results" / "hardware.json"))
+    p.add_argument("--render", action="store_true", help="print the table of --out again (classes recomputed), no compile")
+    args = p.parse_args(argv)
+    if args.render:
+        rows = json.loads(Path(args.out).read_text())["rows"]
+        for r in rows:
+            r["per_block_classes"] = op_classes(r["per_block_ops"]) if r["per_block_ops"] else None
+        print(markdown(rows))
+        return 0
+    install_signal_handlers()
+    rows = []
+    t0 = time.time()
+    for arch, label, req in configs(args.only, args.level1):
+        print(f"compiling {label} ...", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="bench_hw_") as work:
+            report = compile_reports([req], arch, timeout=7200, work_dir=work)[0]
+        rows.append(row(label, arch, report))
+        print(markdown(rows[-1:]), flush=True)
+    out = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(), "seconds": round(time.time() - t0),
+           "command": "python scripts/bench_hardware.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "rows": rows}
+    path = Path(args.out)
+    if path.exists() and args.only:  # keep the other frontend's rows
+        old = json.loads(path.read_text())
+        keep = [r for r in old.get("rows", []) if r["frontend"] != args.only or (r["arch"] == "blackhole") != args.level1]
+        out["rows"] = keep + [r for r in rows if r not in keep]
+    atomic_write(path, json.dumps(out, indent=1) + "\n")
+    print()
+    print(markdown(out["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""tt-mlir compile options for the compile-only client, spelled as tt-xla's plugin reads them.
+
+tt-xla's PJRT plugin parses its compile options by key (``pjrt_implementation/src/api/
+compile_options.cc``): ``optimization_level`` (an integer), ``experimental-enable-dram-space-
+saving-optimization`` (hyphenated) and ``enable_trace`` (booleans as ``true``/``false``/``1``/
+``0``/``yes``/``no``/``on``/``off``). The defaults are Tenstorrent's Wan 2.2 test settings, taken
+from :class:`wan_sharding.backends.tt.TTCompileOptions` (tt-xla ``tests/torch/models/wan14b/
+shared.py``: level 1, DRAM space saving on, trace on).
+
+Where level >= 1 cannot run here, :func:`effective_options` lowers it and says why in one line:
+at level >= 1 tt-mlir's optimizer validates every op on tt-metal's mock device, which JIT-builds
+RISC-V firmware with the SFPI toolchain shipped in the plugin's runtime assets; that toolchain
+carries the C++ headers for Blackhole's multilib only, so on Wormhole the firmware build fails
+(``brisc build failed``, ``bits/c++config.h: No such file or directory``) and the compiler dies.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Our field name -> the key tt-xla's plugin reads.
+PLUGIN_KEYS = {
+    "optimization_level": "optimization_level",
+    "dram_space_saving": "experimental-enable-dram-space-saving-optimization",
+    "enable_trace": "enable_trace",
+}
+LEVELS = (0, 1, 2)
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+# Archs whose level >= 1 compile cannot run on this plugin's mock device, and why (one line).
+LEVEL1_BLOCKED = {
+    "wormhole_b0": ("optimization level >= 1 needs tt-metal's mock Wormhole device, whose firmware JIT build fails "
+                    "with the plugin's SFPI toolchain (no Wormhole multilib C++ headers: bits/c++config.h missing; "
+                    "'brisc build failed'); compiled at optimization_level=0"),
+}
+
+
+def _defaults() -> dict[str, Any]:
+    from ..backends.tt import TTCompileOptions
+
+    d = TTCompileOptions()
+    return {"optimization_level": d.optimization_level,
+            "dram_space_saving": d.experimental_enable_dram_space_saving_optimization,
+            "enable_trace": d.enable_trace}
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The three options tt-xla's Wan tests set, with their defaults (hardware's)."""
+
+    optimization_level: int = 1
+    dram_space_saving: bool = True
+    enable_trace: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.optimization_level, bool) or self.optimization_level not in LEVELS:
+            raise ValueError(f"optimization_level must be one of {LEVELS}, got {self.optimization_level!r}")
+        for name in ("dram_space_saving", "enable_trace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @classmethod
+    def hardware(cls) -> "CompileOptions":
+        """tt-xla's Wan settings (the tt backend's ``TTCompileOptions`` defaults)."""
+        return cls(**_defaults())
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any] | None) -> "CompileOptions":
+        """Options from ``"key=value,key=value"``, a JSON object or a dict, over the hardware
+        defaults. Keys: our names or the plugin's (``optimization_level``,
+        ``experimental-enable-dram-space-saving-optimization`` / ``dram_space_saving``,
+        ``enable_trace``); ``ValueError`` names an unknown key or a bad value."""
+        values = _defaults()
+        if text is None:
+            return cls(**values)
+        if isinstance(text, str):
+            text = text.strip()
+            if text.startswith("{"):
+                try:
+                    items = json.loads(text)
+                except ValueError as e:
+                    raise ValueError(f"compile options are not valid JSON ({e}); give key=value,... or a JSON object") from None
+            else:
+                items = {}
+                for part in filter(None, (p.strip() for p in text.split(","))):
+                    key, eq, value = part.partition("=")
+                    if not eq:
+                        raise ValueError(f"compile option {part!r} has no value; write key=value")
+                    items[key.strip()] = value.strip()
+        else:
+            items = dict(text)
+        by_key = {**{k: k for k in PLUGIN_KEYS}, **{v: k for k, v in PLUGIN_KEYS.items()},
+                  "experimental_enable_dram_space_saving_optimization": "dram_space_saving"}
+        for key, value in items.items():
+            if key not in by_key:
+                raise ValueError(f"unknown compile option {key!r}; known: {', '.join(PLUGIN_KEYS.values())}")
+            name = by_key[key]
+            values[name] = _level(value) if name == "optimization_level" else _bool(name, value)
+        return cls(**values)
+
+    def plugin_options(self) -> dict[str, str]:
+        """The options as the plugin's compile-option strings."""
+        return {PLUGIN_KEYS[f.name]: _str(getattr(self, f.name)) for f in fields(self)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def differs_from(self, other: "CompileOptions") -> list[str]:
+        """Plugin keys whose value here is not ``other``'s, as ``key=ours (other's)``."""
+        return [f"{PLUGIN_KEYS[f.name]}={_str(getattr(self, f.name))} (hardware: {_str(getattr(other, f.name))})"
+                for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def effective_options(requested: CompileOptions, arch: str) -> tuple[CompileOptions, str | None]:
+    """What can be compiled here for ``arch``: ``requested``, or level 0 with the reason."""
+    why = LEVEL1_BLOCKED.get(arch)
+    if why and requested.optimization_level >= 1:
+        return CompileOptions(0, requested.dram_space_saving, requested.enable_trace), why
+    return requested, None
+
+
+def _str(v: Any) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else str(v)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError(f"compile option {PLUGIN_KEYS[name]} must be true or false, got {value!r}")
+
+
+def _level(value: Any) -> int:
+    try:
+        level = int(str(value).strip()) if not isinstance(value, bool) else -1
+    except ValueError:
+        level = -1
+    if level not in LEVELS:
+        raise ValueError(f"compile option optimization_level must be one of {LEVELS}, got {value!r}")
+    return level
