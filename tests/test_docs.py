@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages a user reads for one topic: each linked from the README and from docs/README.md.
-TOPICS = ["check.md", "pipelines.md", "caching.md", "compile-only.md", "tt-backend.md", "patches.md", "planner.md",
+TOPICS = ["check.md", "pipelines.md", "caching.md", "compile-only.md", "compile-hardware.md", "tt-backend.md", "patches.md", "planner.md",
           "meshes.md", "serving.md", "bad-inputs.md", "design.md", "hardware-facts.md", "tt-mlir-notes.md", "results.md",
           "layout.md"]
 # What commands write (named in example output, made by the command, not kept in git): generate's

@@ -6,6 +6,8 @@ worker, and six cases run sharded vs unsharded on both CPU backends (two workers
 
 from collections import Counter
 
+import pytest
+
 from wan_sharding.jobs.fuzz import MAX_ABS, MESHES, fuzz_cases, run_fuzz
 from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import VARIANTS
@@ -31,6 +33,7 @@ def test_the_draw_reaches_every_corner_and_is_repeatable():
     assert all(kinds[k] >= 20 for k in ("1-2 tokens", "aligned", "unaligned", "heads x1", "heads x2")), kinds
 
 
+@pytest.mark.slow  # the standing fuzz is scripts/fuzz_sharding.py; this sample runs with -m slow
 def test_fixed_seed_sample_matches_unsharded():
     # seed 2002 on 2x4: every variant and padding mode, batch 1 and 2, 2 / 3 / 18 / 64 / 128 / 162 tokens
     cases = fuzz_cases(6, seed=2002, backends=("jax", "xla"), meshes=("2x4",))

@@ -71,6 +71,10 @@ def test_level_one_is_lowered_on_wormhole_with_the_reason_and_patchify_added_on_
     opts, why = effective_options(CompileOptions.hardware(), "wormhole_b0")
     assert opts.optimization_level == 0 and "brisc build failed" in why
     assert effective_options(CompileOptions.hardware(), "blackhole") == (CompileOptions.hardware(), None)
+    # tt-metal's mock device has no 64- or 128-chip configuration: level 0 there too, with the reason.
+    opts, why = effective_options(CompileOptions.hardware(), "blackhole", 128)
+    assert opts.optimization_level == 0 and "128-chip" in why
+    assert effective_options(CompileOptions.hardware(), "blackhole", 32)[1] is None
     wh = for_arch(CompileRequest(size="tiny", mesh="1x4"), "wormhole_b0")
     assert wh.compile_options["optimization_level"] == 0 and wh.patches == () and len(wh.notes) == 1
     bh = for_arch(CompileRequest(size="tiny", mesh="1x4"), "blackhole")

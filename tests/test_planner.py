@@ -169,6 +169,7 @@ def test_blackhole_2x4_can_use_less_tp_without_fsdp(analytic_2x4: dict[str, Plan
 
 
 @needs_plugin
+@pytest.mark.slow  # the full two-stage run is scripts/bench_plan.py; this small one runs with -m slow
 def test_compiled_stage_ranks_from_ttnn_and_reports_what_does_not_compile(tmp_path: Path) -> None:
     # Two candidates, one compile batch: the same roles with the replicated and the sharded layout.
     def keep(p: ShardingPlan) -> bool:

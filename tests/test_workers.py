@@ -54,6 +54,20 @@ def test_a_hung_worker_is_restarted_then_reported(tmp_path):
     assert time.monotonic() - start < 30  # two attempts of ~3-5 s, not 60 s
 
 
+def test_a_hung_worker_whose_waiting_thread_still_ticks_is_caught(tmp_path):
+    # The jaxlib deadlock as it really looks: not zero CPU, since a thread waiting for the GIL wakes
+    # every few milliseconds. The watchdog goes by the share of a core used, not by "no CPU at all".
+    module, env = _worker_module(tmp_path, '''
+        end = time.time() + 60
+        while time.time() < end:
+            time.sleep(0.005)
+    ''')
+    start = time.monotonic()
+    run = run_worker(module, {}, env, label="ticker", stall_s=3, retries_on_stall=0)
+    assert run.stalled and not run.ok
+    assert time.monotonic() - start < 30
+
+
 def test_a_worker_past_its_timeout_is_stopped(tmp_path):
     module, env = _worker_module(tmp_path, '''
         end = time.time() + 60

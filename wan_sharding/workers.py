@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping
 
-STALL_SECONDS = 90  # a worker whose CPU time does not move for this long is hung, not slow
+STALL_SECONDS = 90  # a worker that uses (almost) no CPU for this long is hung, not slow
+STALL_CPU_FRACTION = 0.02  # "almost no": under 2 % of one core over the whole window
 RESULT_PREFIX = "RESULT "
 # Set in every worker's environment: the parent's pid. Lets a test (or a user) find the workers
 # a command started.
@@ -121,17 +122,27 @@ def cpu_ticks(pid: int) -> int | None:
 
 
 def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float | None, state: dict) -> None:
-    """Kill ``proc`` past ``timeout``, or when its CPU time has not moved for ``stall_s`` (a
-    deadlocked process uses no CPU; a slow or starved one still does; ``None``: never)."""
-    start = last_change = time.monotonic()
-    last = cpu_ticks(proc.pid)
+    """Kill ``proc`` past ``timeout``, or when it used less than :data:`STALL_CPU_FRACTION` of a
+    core over the last ``stall_s`` seconds (``None``: never). A slow or starved worker still uses
+    a good share of a core; the jaxlib deadlock uses almost none, but not none: a thread waiting
+    for the GIL that the blocked thread holds wakes every few milliseconds, so "CPU time has not
+    moved" never fires on it."""
+    start = time.monotonic()
+    per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    samples: list[tuple[float, int]] = []  # (monotonic time, CPU ticks), the last stall_s seconds
     while proc.poll() is None:
         time.sleep(1.0)
         now = time.monotonic()
         ticks = cpu_ticks(proc.pid)
-        if ticks is None or ticks != last:
-            last, last_change = ticks, now
-        if ticks is not None and stall_s is not None and now - last_change > stall_s:
+        if ticks is not None:
+            samples.append((now, ticks))
+        stalled = False
+        if stall_s is not None and samples and now - samples[0][0] >= stall_s:
+            while len(samples) > 1 and now - samples[1][0] >= stall_s:
+                samples.pop(0)  # keep the oldest sample at least stall_s old
+            used = (samples[-1][1] - samples[0][1]) / per_s
+            stalled = used < STALL_CPU_FRACTION * (samples[-1][0] - samples[0][0])
+        if stalled:
             state["stalled"] = True
         elif timeout is not None and now - start > timeout:
             state["timed_out"] = True

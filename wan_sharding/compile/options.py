@@ -37,6 +37,13 @@ LEVEL1_BLOCKED = {
 }
 
 
+# The chip counts tt-metal's mock device has a cluster description for (tt-metal
+# `tt_metal/impl/device/mock_device_util.cpp`, `get_mock_cluster_desc_name`: N150/N300, 2x2, T3K,
+# Galaxy; P150, P300, 4xP150, 8xP150, Galaxy); any other count throws "Unsupported mock device
+# configuration", so a 64- or 128-chip mesh cannot run level >= 1 here.
+MOCK_DEVICE_CHIPS = (1, 2, 4, 8, 32)
+
+
 def _defaults() -> dict[str, Any]:
     from ..backends.tt import TTCompileOptions
 
@@ -113,9 +120,13 @@ class CompileOptions:
                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
-def effective_options(requested: CompileOptions, arch: str) -> tuple[CompileOptions, str | None]:
-    """What can be compiled here for ``arch``: ``requested``, or level 0 with the reason."""
+def effective_options(requested: CompileOptions, arch: str,
+                      num_chips: int | None = None) -> tuple[CompileOptions, str | None]:
+    """What can be compiled here for ``arch`` on ``num_chips``: ``requested``, or level 0 with the reason."""
     why = LEVEL1_BLOCKED.get(arch)
+    if why is None and num_chips is not None and num_chips not in MOCK_DEVICE_CHIPS:
+        why = (f"optimization level >= 1 runs tt-metal's mock device, which has no {num_chips}-chip configuration "
+               f"(only {', '.join(map(str, MOCK_DEVICE_CHIPS))} chips); compiled at optimization_level=0")
     if why and requested.optimization_level >= 1:
         return CompileOptions(0, requested.dram_space_saving, requested.enable_trace), why
     return requested, None

@@ -313,7 +313,7 @@ def for_arch(req: CompileRequest, arch: str) -> CompileRequest:
     patch added at level >= 1; each change recorded in ``notes`` with its reason."""
     from .options import effective_options
 
-    options, why = effective_options(req.options(), arch)
+    options, why = effective_options(req.options(), arch, req.num_devices)
     notes = list(req.notes)
     patches = tuple(req.patches)
     if why and why not in notes:
