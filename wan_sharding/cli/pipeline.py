@@ -62,16 +62,22 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_pipeline_source(ap: argparse.ArgumentParser) -> None:
+    """Which pipeline runs where: ``--mesh`` / ``--plan``, ``--backend``, ``--variant``, ``--model``
+    (``generate`` and ``serve`` take the same)."""
+    add_mesh(ap, None, help="mesh preset (default 2x4, or the plan's)")
+    add_plan(ap)
+    ap.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
+    ap.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
+                    help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
+    ap.add_argument("--model", help="a local diffusers Wan 2.2 checkpoint directory (needs transformers)")
+
+
 def add_subcommands(sub: Any) -> None:
     """Add ``generate`` and ``profile``."""
     g = sub.add_parser("generate", help="run a Wan 2.2 pipeline with both experts sharded; write the video",
                        description=GENERATE_DOC.split("\n\n")[0])
-    add_mesh(g, None, help="mesh preset (default 2x4, or the plan's)")
-    add_plan(g)
-    g.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
-    g.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
-                   help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
-    g.add_argument("--model", help="a local diffusers Wan 2.2 checkpoint directory (needs transformers)")
+    add_pipeline_source(g)
     g.add_argument("--steps", type=int, default=4)
     g.add_argument("--frames", type=int, help="video frames (default: 5 tiny, 81 with --model)")
     g.add_argument("--height", type=int, help="pixels (default: 64 tiny A14B, 128 tiny TI2V, 480 with --model)")

@@ -7,10 +7,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..models import VARIANTS
-from ..options import EXECUTING_BACKENDS
-from .args import add_cache, add_dtype, add_mesh, add_padding, add_patches, add_plan, stack_missing
-from .pipeline import BACKEND_HELP, worker_params
+from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
+from .pipeline import add_pipeline_source, worker_params
 from .validate import (
     UsageError,
     apply_plan,
@@ -123,12 +121,7 @@ def add_subcommands(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve the sharded pipeline over HTTP: one resident worker, a queue, recovery",
                        description="An HTTP server (docs/serving.md) in front of one resident worker that loads and "
                                    "shards the pipeline once and warms it up before accepting jobs.")
-    add_mesh(s, None, help="mesh preset (default 2x4, or the plan's)")
-    add_plan(s)
-    s.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
-    s.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
-                   help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
-    s.add_argument("--model", help="a local diffusers Wan 2.2 checkpoint directory (needs transformers)")
+    add_pipeline_source(s)
     add_padding(s, None)
     add_patches(s)
     add_cache(s)
