@@ -15,9 +15,12 @@ device. So these tests replace, and say so plainly:
   signature, forgets on ``release``, and sends the compile options once, defaults or overrides.
 - for the graph counts, real ``torch.compile`` in a stock torch-xla CPU process
   (``tests/tt_graphs.py``): there the custom op ``tt::sharding_constraint`` (registered as tt-xla's
-  ``python_package/tt_torch/custom_ops.py`` registers it) and a graph-counting ``"tt"`` dynamo
-  backend stand in for tt_torch, with ``inline_inbuilt_nn_modules=False`` as tt-xla's
-  ``torch_plugin_tt`` sets it; the backend, hooks, torch-xla SPMD and dynamo are the real ones.
+  ``python_package/tt_torch/custom_ops.py`` registers it, applying the constraint on torch-xla
+  SPMD) and a graph-counting ``"tt"`` dynamo backend stand in for tt_torch, with
+  ``inline_inbuilt_nn_modules=False`` as tt-xla's ``torch_plugin_tt`` sets it; the backend,
+  hooks, torch-xla SPMD and dynamo are the real ones. The same process counts the RMSNorm pins
+  the backend places on TP meshes (1x4, 2x4) in that one graph and compares the output with the
+  unsharded model.
 
 The option keys are checked against the list of keys tt-xla's plugin reads, copied by hand from
 its source below (``PLUGIN_KEYS``).
@@ -264,6 +267,40 @@ def test_tt_backend_runs_a_cached_forward_as_a_few_compiled_programs(tt_stand_in
     sp.remove()
 
 
+def test_a_placement_the_pins_cannot_fix_is_refused_before_compiling(tt_stand_ins, monkeypatch):
+    """A TP-split norm's weight placed whole: with the pins, tt-mlir's distributed_rms_norm would
+    get a whole weight beside a local input and fail (tt-mlir 0.1.3, checked by hand: "weight
+    tensor's last dimension must match input's last dimension"). The backend refuses it in one line
+    before anything is compiled or sent, and places no pins; placed as shard_dit_specs places it,
+    the same model compiles and carries the pins, per instance (another model has none)."""
+    from wan_sharding import BackendError, shard_dit_specs
+    from wan_sharding.backends.tt_norms import tp_split_norms
+    from wan_sharding.backends.xla import XlaBackend
+
+    monkeypatch.setattr(XlaBackend, "place", lambda self, dit, specs: None)  # no device to put weights on
+    backend = _tt_backend()
+    dit, other = build_dit("t2v-a14b"), build_dit("t2v-a14b")
+    inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    specs = dict(shard_dit_specs(dit, backend.mesh))
+    norm_q = dit.blocks[0].attn1.norm_q.weight
+    assert specs[norm_q] == ("tp",)
+    backend.place(dit, {**specs, norm_q: (None,)})
+    with pytest.raises(BackendError, match=r"blocks\.0\.attn1\.norm_q\.weight is placed \(None,\) on TP mesh 2x4.*"
+                                           "place it split over 'tp'") as err, torch.no_grad():
+        backend.run(dit, None, **inputs)
+    assert "\n" not in str(err.value)
+    assert tt_stand_ins.compiles == [] and tt_stand_ins.options == []
+    hooks = lambda model: sum(len(m._forward_pre_hooks) + len(m._forward_hooks)  # noqa: E731
+                              for m in tp_split_norms(model).values())
+    assert hooks(dit) == 0
+    backend.place(dit, shard_dit_specs(dit, backend.mesh))
+    with torch.no_grad():
+        backend.run(dit, None, **inputs)
+    assert len(tt_stand_ins.compiles) == 1 and hooks(dit) == 16 and hooks(other) == 0
+    backend.release(dit)
+    assert hooks(dit) == 0
+
+
 # ---------------------------------------------------------------------------- the plugin's option keys
 
 # Every key tt-xla's PJRT plugin reads (tt-xla main 2026-08-21, pjrt_implementation/src/api/
@@ -332,11 +369,7 @@ GRAPH_CASES = ["t2v-a14b:fp32:mask", "t2v-a14b:fp32:slice", "t2v-a14b:bf16:mask"
 MODELS = 10  # more than dynamo's recompile limit (8)
 
 
-@pytest.fixture(scope="module")
-def dynamo_run():
-    """One torch-xla CPU process (``tt_graphs.py``): every GRAPH_CASE compiled by real dynamo with a
-    graph-counting backend and a tt-style constraint op standing in for tt_torch (which cannot be
-    installed here; see that file), then MODELS models compiled one after another."""
+def _tt_graphs(preset: str, devices: int, models: int, cases: list[str]) -> dict:
     import json
     import subprocess
     from pathlib import Path
@@ -344,11 +377,25 @@ def dynamo_run():
     from wan_sharding.jobs.launch import worker_env
 
     script = Path(__file__).with_name("tt_graphs.py")
-    proc = subprocess.run([sys.executable, str(script), str(MODELS), *GRAPH_CASES], env=worker_env("xla", 8),
+    proc = subprocess.run([sys.executable, str(script), preset, str(models), *cases], env=worker_env("xla", devices),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def dynamo_run():
+    """One torch-xla CPU process (``tt_graphs.py``) on the 2x4 mesh: every GRAPH_CASE compiled by
+    real dynamo with a graph-counting backend and a tt-style constraint op standing in for tt_torch
+    (which cannot be installed here; see that file), then MODELS models compiled one after another."""
+    return _tt_graphs("2x4", 8, MODELS, GRAPH_CASES)
+
+
+@pytest.fixture(scope="module")
+def dynamo_run_1x4():
+    """The same on the 1x4 mesh (TP only), one case, in a 4-device process."""
+    return _tt_graphs("1x4", 4, 0, [GRAPH_CASES[0]])
 
 
 @pytest.mark.parametrize("case", GRAPH_CASES)
@@ -367,6 +414,42 @@ def test_one_graph_per_compiled_forward_holding_every_sp_constraint(dynamo_run, 
     rep3, sp3 = sdy_string(("sp", "tp"), (None,) * 3), sdy_string(("sp", "tp"), (None, "sp", None))
     mask = [rep4] if case.split(":")[2] == "mask" else []
     assert graph == [rep4, sp4, rep4, sp4, *mask, rep3, sp3, rep3]
+    # the sharded forward computes what the unsharded model does (real SPMD constraints on CPU)
+    if case.split(":")[1] == "fp32":
+        assert r["max_abs"] <= 1e-4, r["max_abs"]
+    else:
+        assert r["pcc"] >= 0.99, r["pcc"]
+
+
+def _pins(tokens_split: bool) -> list[list[str]]:
+    """The pins of one tiny block (2 blocks in the tiny config) in graph order: attn1 norm_q and
+    norm_k and attn2 norm_q on the video tokens (split over SP when SP > 1), attn2 norm_k on the
+    prompt (whole): the input whole on the channels, the result whole, then split over TP again."""
+    axes = ("sp", "tp")
+    lead = ("sp" if tokens_split else None)
+    video = [sdy_string(axes, (None, lead, None))] * 2 + [sdy_string(axes, (None, lead, "tp"))]
+    prompt = [sdy_string(axes, (None, None, None))] * 2 + [sdy_string(axes, (None, None, "tp"))]
+    return [video, video, video, prompt]
+
+
+@pytest.mark.parametrize("mesh", ["1x4", "2x4"])
+def test_rms_norm_pins_in_the_one_graph_and_gone_after_release(request, mesh):
+    """On a TP mesh the backend pins every ``nn.RMSNorm`` (tt-xla marks it ``tenstorrent.rms_norm``;
+    unpinned, tt-mlir rejects it, docs/tt-backend.md) inside the one dynamo graph of a forward:
+    8 norms, each fed by its input pin and followed by its two result pins; the output as the
+    unsharded model's. After ``release`` no hook is left on the norms and a graph compiled
+    afresh holds the 8 norms and no pin."""
+    run = request.getfixturevalue("dynamo_run_1x4" if mesh == "1x4" else "dynamo_run")
+    r = run["cases"][GRAPH_CASES[0]]
+    assert r["breaks"] == {} and len(r["graphs"]) == 1
+    assert r["norms"] == [8]
+    assert r["pins"] == [_pins(tokens_split=mesh == "2x4") * 2]
+    assert r["max_abs"] <= 1e-4, r["max_abs"]
+    assert r["hooks_after_release"] == 0
+    assert r["after_release"] == {"pins": [[]], "norms": [8]}
+    if mesh == "2x4":  # every case of the 2x4 run: all 8 norms pinned in its one graph
+        for case, c in run["cases"].items():
+            assert c["norms"] == [8] and len(c["pins"][0]) == 8, case
 
 
 def test_many_models_in_one_process_stay_compiled(dynamo_run):

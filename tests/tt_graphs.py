@@ -5,8 +5,10 @@ this process stands in for the two pieces of it the backend touches, made the wa
 them (``python_package/tt_torch/custom_ops.py``, ``python_package/torch_plugin_tt/__init__.py``):
 
 - ``torch.ops.tt.sharding_constraint``, a ``torch.library.custom_op`` for ``cpu`` and ``xla`` with
-  a fake (meta) implementation, so dynamo traces it as one op; here its body returns a copy (the
-  real one emits the ``tt.sharding_constraint`` custom call tt-mlir reads);
+  a fake (meta) implementation, so dynamo traces it as one op; here its body applies the
+  constraint for real on torch-xla SPMD (the partition spec read back from the Shardy string,
+  ``xs.annotate_custom_sharding`` on a copy), where the real one emits the
+  ``tt.sharding_constraint`` custom call tt-mlir reads;
 - a ``torch.compile`` backend named ``"tt"`` that records each graph dynamo hands it (and the
   constraint ops in it) and runs the graph as it is, on torch-xla's lazy tensors;
 - ``torch._dynamo.config.inline_inbuilt_nn_modules = False``, as ``torch_plugin_tt`` sets it.
@@ -14,11 +16,17 @@ them (``python_package/tt_torch/custom_ops.py``, ``python_package/torch_plugin_t
 Everything else is real: stock torch-xla SPMD on 8 CPU devices, the real ``TTBackend``
 (``place``, ``run``, ``release``), the real hooks, dynamo itself. Prints one JSON object.
 
-Usage: ``python tt_graphs.py N CASE...``: each CASE (``variant:dtype:padding[:patch+patch]``)
-compiled and counted, then ``N`` models in one process (``N`` 0: none).
+For each graph it records the constraints and, apart, the RMSNorm pins: for every ``rms_norm``
+node (what tt-xla's pass marks ``tenstorrent.rms_norm``), the constraint feeding it and the two on
+its result, when they are there.
+
+Usage: ``python tt_graphs.py MESH N CASE...``: on the mesh preset MESH (the process has its
+devices), each CASE (``variant:dtype:padding[:patch+patch]``) compiled, counted and compared with
+the unsharded model on the CPU, then ``N`` models in one process (``N`` 0: none).
 """
 
 import json
+import re
 import sys
 import types
 
@@ -31,13 +39,21 @@ from torch._dynamo import register_backend
 torch._dynamo.config.inline_inbuilt_nn_modules = False  # what torch_plugin_tt sets
 
 EAGER_CALLS: list[str] = []  # the constraint op's executions (eager runs)
-GRAPHS: list[list[str]] = []  # one entry per graph dynamo compiled: its constraints' sdy strings
+GRAPHS: list[list[str]] = []  # one entry per graph dynamo compiled: its constraints' sdy strings (pins apart)
+PINS: list[list[list[str]]] = []  # per graph: per rms_norm node, the sdy strings of its pins
+NORMS: list[int] = []  # per graph: rms_norm nodes (call_function or an nn.RMSNorm call_module)
+MESH: list = []  # the torch-xla mesh the constraints apply on
 
 
 @torch.library.custom_op("tt::sharding_constraint", mutates_args=[], device_types=["cpu", "xla"])
 def sharding_constraint(tensor: torch.Tensor, sdy_sharding: str) -> torch.Tensor:
     EAGER_CALLS.append(sdy_sharding)
-    return tensor.clone()
+    out = tensor.clone()
+    if out.device.type == "xla":
+        dims = re.findall(r'\{(?:"mesh_idx_(\d+)")?\}', sdy_sharding.split("@mesh, ", 1)[1])
+        spec = tuple(MESH[0].axis_names[int(d)] if d else None for d in dims)
+        xs.annotate_custom_sharding(out, MESH[0], spec)
+    return out
 
 
 @sharding_constraint.register_fake
@@ -61,32 +77,63 @@ OPTIONS: list[dict] = []
 torch_xla.set_custom_compile_options = lambda options: OPTIONS.append(dict(options))  # Tenstorrent's build only
 
 
+def _is_constraint(node) -> bool:
+    return node.op == "call_function" and "tt.sharding_constraint" in str(node.target)
+
+
+def _is_norm(gm: torch.fx.GraphModule, node) -> bool:
+    if node.op == "call_function":
+        return node.target in (torch.nn.functional.rms_norm, torch.rms_norm)
+    return node.op == "call_module" and type(gm.get_submodule(node.target)) is torch.nn.RMSNorm
+
+
 @register_backend(name="tt")
 def counting_backend(gm: torch.fx.GraphModule, example_inputs):
-    GRAPHS.append([str(n.args[1]) for n in gm.graph.nodes
-                   if n.op == "call_function" and "tt.sharding_constraint" in str(n.target)])
+    pins, pinned = [], set()
+    norms = [n for n in gm.graph.nodes if _is_norm(gm, n)]
+    for norm in norms:
+        feed = norm.args[0]
+        whole = next(iter(norm.users)) if len(norm.users) == 1 else None
+        split = next(iter(whole.users)) if whole is not None and len(whole.users) == 1 else None
+        chain = [feed, whole, split]
+        if all(c is not None and _is_constraint(c) for c in chain):
+            pins.append([str(c.args[1]) for c in chain])
+            pinned.update(chain)
+    GRAPHS.append([str(n.args[1]) for n in gm.graph.nodes if _is_constraint(n) and n not in pinned])
+    PINS.append(pins)
+    NORMS.append(len(norms))
     return gm.forward
 
 
-def _backend():
+def _backend(preset: str):
     from wan_sharding.backends.tt import TTBackend
     from wan_sharding.backends.xla import enable_spmd
     from wan_sharding.mesh import mesh_from_preset
 
     enable_spmd()
-    mesh = mesh_from_preset("2x4")
-    # the real torch-xla mesh over the 8 CPU devices; the TT device type is not set (no chips)
-    return TTBackend(mesh, native_mesh=xs.Mesh(np.arange(8), mesh.shape, mesh.axis_names))
+    mesh = mesh_from_preset(preset)
+    # the real torch-xla mesh over the CPU devices; the TT device type is not set (no chips)
+    MESH[:] = [xs.Mesh(np.arange(mesh.num_devices), mesh.shape, mesh.axis_names)]
+    return TTBackend(mesh, native_mesh=MESH[0])
 
 
-def graphs(cases: list[str]) -> dict:
-    """Per case: the constraints of one eager (lazy) forward, then the graphs of one compiled one."""
+def _max_abs_and_pcc(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    a, b = out.double().flatten(), ref.double().flatten()
+    pcc = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+    return float((a - b).abs().max()), pcc
+
+
+def graphs(preset: str, cases: list[str]) -> dict:
+    """Per case: the constraints of one eager (lazy) forward, then the graphs of one compiled one
+    (constraints and RMSNorm pins), its output against the unsharded model, and after
+    ``release``: the norm hooks left and the pins in a graph compiled afresh."""
     from wan_sharding import apply_dit_sp_activation_sharding, shard_dit_specs
+    from wan_sharding.backends.tt_norms import tp_split_norms
     from wan_sharding.models import LatentShape, build_dit, dit_inputs
     from wan_sharding.options import torch_dtype
     from wan_sharding.patches import apply_patches
 
-    backend = _backend()
+    backend = _backend(preset)
     out = {}
     for case in cases:
         variant, dtype, padding, *patches = case.split(":")
@@ -94,6 +141,8 @@ def graphs(cases: list[str]) -> dict:
         inputs = dit_inputs(variant, LatentShape(3, 10, 14), dtype=torch_dtype(dtype))  # 105 tokens -> 128
         if patches:
             apply_patches(dit, patches[0].split("+"), mesh=backend.mesh)
+        with torch.no_grad():
+            ref = dit(**inputs, return_dict=False)[0]  # unsharded, on the CPU
         placed = backend.place(dit, shard_dit_specs(dit, backend.mesh))
         sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding=padding)
         device_inputs = {k: v.to(backend.device) for k, v in inputs.items()}
@@ -101,15 +150,25 @@ def graphs(cases: list[str]) -> dict:
         with torch.no_grad():
             dit(**device_inputs, return_dict=False)  # lazy, not compiled: what the hooks constrain
         eager = list(EAGER_CALLS)
-        GRAPHS.clear()
+        GRAPHS.clear(), PINS.clear(), NORMS.clear()
         torch._dynamo.utils.counters.clear()
         with torch.no_grad():
-            backend.run_device(dit, placed, **inputs)
+            first = backend.run_device(dit, placed, **inputs)
             backend.run_device(dit, placed, **inputs)  # a warm call compiles nothing more
-        out[case] = {"eager": eager, "graphs": list(GRAPHS),
+        max_abs, pcc = _max_abs_and_pcc(first.cpu(), ref)
+        out[case] = {"eager": eager, "graphs": list(GRAPHS), "pins": list(PINS), "norms": list(NORMS),
+                     "max_abs": max_abs, "pcc": pcc,
                      "breaks": {str(k): v for k, v in torch._dynamo.utils.counters["graph_break"].items()}}
         sp.remove()
         backend.release(dit)
+        norms = tp_split_norms(dit).values()
+        out[case]["hooks_after_release"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in norms)
+        if case == cases[0]:  # the model compiled afresh, not through the backend: no pins left in it
+            PINS.clear(), NORMS.clear()
+            with torch.no_grad():
+                torch.compile(dit, backend="tt", dynamic=False)(**device_inputs, return_dict=False)
+            out[case]["after_release"] = {"pins": list(PINS), "norms": list(NORMS)}
+            torch._dynamo.reset()
     return out
 
 
@@ -119,7 +178,7 @@ def models(n: int) -> dict:
     from wan_sharding import apply_dit_sp_activation_sharding, shard_dit_specs
     from wan_sharding.models import LatentShape, build_dit, dit_inputs
 
-    backend = _backend()
+    backend = _backend("2x4")
     inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
     dits, per_model = [], []
     with torch.no_grad():
@@ -156,6 +215,6 @@ def models(n: int) -> dict:
 
 
 if __name__ == "__main__":
-    n, *cases = sys.argv[1:]
-    result = {"cases": graphs(cases), "models": models(int(n)) if int(n) else None}
+    preset, n, *cases = sys.argv[1:]
+    result = {"cases": graphs(preset, cases), "models": models(int(n)) if int(n) else None}
     print("RESULT " + json.dumps(result))

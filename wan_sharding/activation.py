@@ -29,8 +29,15 @@ from .options import DEFAULT_PADDING
 from .plan import SELF_ATTENTION, WAN_SP_PLAN, ShardingPlan, SPGather, SPSplit
 from .specs import ShardingError, _pattern_regex, check_wan_model
 
-# Models that currently carry SP hooks. Weak, so a dropped model is forgotten.
-_APPLIED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# Models that currently carry SP hooks, with their hooks' forward state. Weak, so a dropped model
+# is forgotten (the state holds no reference to the model).
+_APPLIED: "weakref.WeakKeyDictionary[torch.nn.Module, ForwardState]" = weakref.WeakKeyDictionary()
+
+
+def sp_state(dit: torch.nn.Module) -> ForwardState | None:
+    """The forward state of the SP hooks on ``dit`` (valid and padded token counts of the forward
+    being traced), ``None`` when it has none."""
+    return _APPLIED.get(dit)
 
 
 def _pad_dim(x: torch.Tensor, dim: int, to: int) -> torch.Tensor:
@@ -113,7 +120,7 @@ class SPHandle:
             module.set_processor(proc)
         self._hooks.clear()
         self._processors.clear()
-        _APPLIED.discard(self.dit)
+        _APPLIED.pop(self.dit, None)
         self.removed = True
 
     def __enter__(self) -> "SPHandle":
@@ -273,5 +280,5 @@ def apply_dit_sp_activation_sharding(
                 handle._processors[module] = module.processor
                 module.set_processor(mode_cls(module.processor, state))
 
-    _APPLIED.add(dit)
+    _APPLIED[dit] = state
     return handle

@@ -8,7 +8,7 @@ inputs are ``None``) and that compiled module is reused: a fresh ``torch.compile
 would trace and compile the whole DiT again every time, which is what Tenstorrent's Wan test
 helpers avoid with a process-level cache keyed by model and input shapes (tt-xla,
 ``tests/torch/models/wan14b/shared.py``, ``run_component``). The tt-mlir compiler options
-(:class:`TTCompileOptions`) go to ``torch_xla.set_custom_compile_options`` before the first compile.
+(:class:`~.tt_options.TTCompileOptions`) go to ``torch_xla.set_custom_compile_options`` before the first compile.
 
 That stack comes from Tenstorrent's package index with their torch-xla build and cannot be
 installed here; ``tests/test_tt_contract.py`` checks what this backend sends to it with stand-ins.
@@ -17,9 +17,8 @@ installed here; ``tests/test_tt_contract.py`` checks what this backend sends to 
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -27,14 +26,13 @@ import torch
 from ..mesh import MeshSpec
 from ..specs import Spec
 from .base import BackendError, input_signature
+from .tt_norms import NormPins, norm_pin_refusal
+from .tt_options import COMPILE_OPTIONS_ENV, FIELD_KEYS, PLUGIN_OPTIONS, TTCompileOptions, TTOptionsError  # noqa: F401
 from .xla import XlaBackend
 
 # Where Tenstorrent's stack comes from (tt-xla's release notes install pjrt-plugin-tt this way).
 TT_INDEX = "https://pypi.eng.aws.tenstorrent.com/"
 TT_INSTALL = f"pip install pjrt-plugin-tt --extra-index-url {TT_INDEX}"
-# Environment variable: JSON object of tt-mlir compile options for processes that build the backend
-# themselves (the CLI's workers), e.g. '{"optimization_level": 2, "enable_trace": false}'.
-COMPILE_OPTIONS_ENV = "WAN_SHARDING_TT_COMPILE_OPTIONS"
 # Tenstorrent device nodes: the kernel driver (tt-kmd) puts one per PCIe-attached device here.
 TT_DEVICE_DIR = "/dev/tenstorrent"
 
@@ -108,153 +106,6 @@ def _tt_sharding():
     return sharding
 
 
-# ------------------------------------------------------------------------------ compile options
-
-# Every option tt-xla's PJRT plugin reads, by the key it reads (tt-xla,
-# ``pjrt_implementation/src/api/compile_options.cc``, ``CompileOptions::parse``; defaults and
-# meanings in ``pjrt_implementation/inc/api/compile_options.h``), with the kind of value it parses.
-# The plugin ignores any other key and aborts the process (``ABORT_F``) on a value it cannot
-# parse, so both are checked here first. "bool": true/false/1/0/yes/no/on/off, any case.
-_BOOL, _INT, _TEXT = "bool", "int", "text"
-PLUGIN_OPTIONS: dict[str, Any] = {
-    "optimization_level": (0, 1, 2),
-    "experimental_weight_dtype": ("", "bfp_bf8", "bfp_bf4"),
-    "experimental-kv-cache-dtype": _TEXT,
-    "enable_activation_dtype_lowering": _BOOL,
-    "math_fidelity": ("lofi", "hifi2", "hifi3", "hifi4", "ttnn_default"),
-    "fp32_dest_acc_en": _BOOL,
-    "experimental_enable_fusing_conv2d_with_multiply_pattern": _BOOL,
-    "backend": ("default", "ttnn_flatbuffer", "codegen_cpp", "codegen_py", "codegen_load_py"),
-    "export_path": _TEXT,
-    "enable_trace": _BOOL,
-    "export_tensors": _BOOL,
-    "enable_const_eval": _BOOL,
-    "enable_const_eval_on_cpu": _BOOL,
-    "enable_const_eval_inputs_to_system_memory": _BOOL,
-    "experimental_enable_permute_matmul_fusion": _BOOL,
-    "codegen_try_recover_structure": _BOOL,
-    "codegen_split_files": _BOOL,
-    "experimental-enable-dram-space-saving-optimization": _BOOL,
-    "enable_create_d2m_subgraphs": _BOOL,
-    "ttnn_perf_metrics_enabled": _BOOL,
-    "ttnn_perf_metrics_output_file": _TEXT,
-    "dry_run": _BOOL,
-    "target_module": _BOOL,
-    "export_model_name": _TEXT,
-}
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-# The dataclass fields, by the key the plugin reads for each (Python names cannot hold "-").
-FIELD_KEYS = {"optimization_level": "optimization_level",
-              "experimental_enable_dram_space_saving_optimization": "experimental-enable-dram-space-saving-optimization",
-              "enable_trace": "enable_trace"}
-
-
-class TTOptionsError(BackendError, ValueError):
-    """A tt-mlir compile option the plugin would ignore (unknown key) or abort on (bad value)."""
-
-
-def _plugin_value(key: str, value: Any) -> str:
-    """``value`` as the string the plugin parses for ``key``; TTOptionsError (one line: the key,
-    what it got, what it takes) otherwise."""
-    kind = PLUGIN_OPTIONS.get(key)
-    if kind is None:
-        near = [k for k in PLUGIN_OPTIONS if k.replace("-", "_") == key.replace("-", "_")]
-        hint = f"; the plugin spells it {near[0]!r}" if near else ""
-        raise TTOptionsError(f"unknown tt compile option {key!r}{hint} (tt-xla's plugin would ignore it); "
-                             f"options it reads: {', '.join(sorted(PLUGIN_OPTIONS))}")
-    if kind == _BOOL:
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
-            return "true" if value.lower() in _TRUE else "false"
-        raise TTOptionsError(f"tt compile option {key!r} must be true or false, got {value!r}")
-    if kind == _TEXT:
-        if isinstance(value, str):
-            return value
-        raise TTOptionsError(f"tt compile option {key!r} must be a string, got {value!r}")
-    text = value.lower() if isinstance(value, str) and key != "optimization_level" else value
-    if isinstance(value, bool) or text not in kind:
-        raise TTOptionsError(f"tt compile option {key!r} must be one of {', '.join(map(repr, kind))}, got {value!r}")
-    return str(text)
-
-
-@dataclass
-class TTCompileOptions:
-    """tt-mlir compile options for the tt backend, sent once through
-    ``torch_xla.set_custom_compile_options`` (Tenstorrent's torch-xla build) before the first compile.
-
-    The defaults are the ones Tenstorrent's own Wan 2.2 DiT tests compile with (tt-xla,
-    ``tests/torch/models/wan14b/test_wan_dit.py`` and the ``run_component`` helper in
-    ``tests/torch/models/wan14b/shared.py``); what each option does is as tt-xla's test compiler
-    config describes it (``tests/infra/testers/compiler_config.py``). Each is sent under the key the
-    plugin reads (:data:`FIELD_KEYS`, :data:`PLUGIN_OPTIONS`), as a string. Every value is checked
-    when the options are made (:class:`TTOptionsError`, one line), since the plugin ignores
-    unknown keys and aborts the process on a value it cannot parse.
-    """
-
-    # tt-mlir optimizer level: 0 all optimizer passes off; 1 basic optimizations (op workarounds
-    # trimmed, conv2d weight const-eval prep and fusions, op validation); 2 adds memory-layout
-    # optimization (sharded L1 layouts). Tenstorrent's Wan tests: 1.
-    optimization_level: int = 1
-    # Run the experimental DRAM space-saving pass, which reuses DRAM buffers between ops whose
-    # lifetimes do not overlap to lower peak DRAM use. Tenstorrent's Wan tests: on.
-    experimental_enable_dram_space_saving_optimization: bool = True
-    # Hoist the device program into a TTNN trace that is captured once and replayed, removing host
-    # dispatch from warm iterations. Tenstorrent's Wan tests: on.
-    enable_trace: bool = True
-    # Any other option tt-xla's plugin reads, by its key (e.g. {"export_path": "irs"}).
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.optimization_level, bool) or self.optimization_level not in (0, 1, 2):
-            raise TTOptionsError(f"optimization_level must be 0, 1 or 2, got {self.optimization_level!r}")
-        for name in ("experimental_enable_dram_space_saving_optimization", "enable_trace"):
-            if not isinstance(getattr(self, name), bool):
-                raise TTOptionsError(f"tt compile option {name!r} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.extra, Mapping):
-            raise TTOptionsError(f"extra tt compile options must be a mapping of option keys, got {self.extra!r}")
-        for key, value in self.extra.items():
-            if key in FIELD_KEYS.values():
-                raise TTOptionsError(f"tt compile option {key!r} has a field of its own: set it by its field name")
-            _plugin_value(key, value)
-        backend = str(self.extra.get("backend", "default")).lower()
-        if backend not in ("default", "ttnn_flatbuffer") and "export_path" not in self.extra:
-            # the plugin aborts on this (CompileOptions::parse)
-            raise TTOptionsError(f"tt compile option backend={backend!r} needs export_path (where the code goes)")
-
-    @classmethod
-    def of(cls, value: "TTCompileOptions | Mapping[str, Any] | None") -> "TTCompileOptions":
-        """Options from an instance, a mapping (field names set fields, a plugin key sets its
-        field, other keys go to ``extra``) or ``None`` (:data:`COMPILE_OPTIONS_ENV` if set, else
-        the defaults). TTOptionsError on an unknown key or a bad value."""
-        if isinstance(value, cls):
-            return value
-        if value is None:
-            text = os.environ.get(COMPILE_OPTIONS_ENV)
-            if not text:
-                return cls()
-            try:
-                value = json.loads(text)
-            except ValueError as e:
-                raise TTOptionsError(f"{COMPILE_OPTIONS_ENV} is not a JSON object: {e}") from None
-            if not isinstance(value, dict):
-                raise TTOptionsError(f"{COMPILE_OPTIONS_ENV} must be a JSON object, got {text!r}")
-        by_key = {k: f for f, k in FIELD_KEYS.items()}
-        fields: dict[str, Any] = {}
-        extra = dict(value.get("extra") or {})
-        for k, v in value.items():
-            if k in FIELD_KEYS or k in by_key:
-                fields[by_key.get(k, k)] = v
-            elif k != "extra":
-                extra[k] = v
-        return cls(**fields, extra=extra)
-
-    def to_torch_xla(self) -> dict[str, str]:
-        """The dict for ``torch_xla.set_custom_compile_options``: the plugin's keys, string values."""
-        fields = {FIELD_KEYS[k]: v for k, v in asdict(self).items() if k != "extra"}
-        return {k: _plugin_value(k, v) for k, v in {**fields, **self.extra}.items()}
-
-
 _applied_options: dict[str, str] | None = None  # what this process last sent to torch-xla
 
 
@@ -318,6 +169,10 @@ class TTBackend(XlaBackend):
 
     ``compile_options``: :class:`TTCompileOptions`, a mapping of option names, or ``None`` for
     :data:`COMPILE_OPTIONS_ENV` / the defaults of Tenstorrent's Wan tests.
+
+    On a TP mesh every compile first pins the model's TP-split RMSNorms (:mod:`.tt_norms`), which
+    tt-xla marks ``tenstorrent.rms_norm``: without the pins tt-mlir rejects the graph. A placement
+    that would still fail is a one-line BackendError before anything compiles.
     """
 
     name = "tt"
@@ -331,6 +186,9 @@ class TTBackend(XlaBackend):
         self._compiled: dict[int, tuple[torch.nn.Module, dict[Any, Any]]] = {}
         self.compiles = 0  # torch.compile calls so far (one per model and input signature)
         self.dropped_entries = 0  # dynamo cache entries the last release() dropped
+        # Per model (weakly): the weight specs ``place`` marked, by name, and the RMSNorm pins.
+        self._placed_specs: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+        self._pins: "weakref.WeakKeyDictionary[torch.nn.Module, NormPins]" = weakref.WeakKeyDictionary()
         super().__init__(mesh, native_mesh)
 
     def _make_mesh(self, mesh: MeshSpec) -> Any:
@@ -344,9 +202,31 @@ class TTBackend(XlaBackend):
                     "since torch-xla SPMD spans every chip it sees; " + hint)
         return hint
 
+    def place(self, dit: torch.nn.Module, specs: Mapping[torch.Tensor, Spec]) -> Any:
+        """As the xla backend; the specs are kept (by name) for the check before each compile."""
+        self._placed_specs[dit] = dict(specs.by_name() if hasattr(specs, "by_name")
+                                       else {n: specs[p] for n, p in dit.named_parameters()})
+        return super().place(dit, specs)
+
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         # Returns a new value, so replicated-then-sharded stays two constraints in the graph.
         return self._sharding.sharding_constraint_tensor(tensor, self.native_mesh, spec)
+
+    def pin_norms(self, dit: torch.nn.Module) -> NormPins | None:
+        """Before a compile on a TP mesh: check that the graph sent will compile (BackendError,
+        one line, naming the fix), then pin ``dit``'s TP-split RMSNorms (once per model; again
+        if its SP hooks changed). ``release`` takes the pins off. ``None`` on a TP-1 mesh."""
+        if self.mesh.tp == 1:
+            return None
+        refusal = norm_pin_refusal(dit, self.mesh, self._placed_specs.get(dit))
+        if refusal is not None:
+            raise BackendError(refusal)
+        pins = self._pins.get(dit)
+        if pins is None or pins.stale(dit):
+            if pins is not None:
+                pins.remove()
+            pins = self._pins[dit] = NormPins(self, dit)
+        return pins
 
     def compiled_for(self, dit: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         """The compiled forward of ``dit`` for inputs like these: made (and the compile options
@@ -355,6 +235,7 @@ class TTBackend(XlaBackend):
         if entry is None or entry[0] is not dit:
             entry = self._compiled[id(dit)] = (dit, {})
         key = (input_signature(args), input_signature(kwargs))
+        self.pin_norms(dit)
         compiled = entry[1].get(key)
         if compiled is None:
             _apply_compile_options(self.compile_options.to_torch_xla())
@@ -407,6 +288,7 @@ class TTBackend(XlaBackend):
         if entry is None or entry[0] is not dit:
             entry = self._compiled[id(dit)] = (dit, {})
         signature = (input_signature(args), input_signature(kwargs))
+        self.pin_norms(dit)
 
         def run(name: str, extra: dict) -> dict:
             key = ("cached", plan.key, name, signature, input_signature(extra))
@@ -425,10 +307,13 @@ class TTBackend(XlaBackend):
     def release(self, dit: torch.nn.Module) -> None:
         """Drop the compiled forwards of ``dit``: this backend's compiled modules and dynamo's cache
         entries for the model (their graphs hold its modules and device weights, and they count
-        against dynamo's cache limits). Other models' compiled forwards are kept."""
+        against dynamo's cache limits), and take its RMSNorm pins off. Other models keep theirs."""
         entry = self._compiled.get(id(dit))
         if entry is not None and entry[0] is dit:
             del self._compiled[id(dit)]
+        pins = self._pins.pop(dit, None)
+        if pins is not None:
+            pins.remove()
         self.dropped_entries = drop_dynamo_entries(dit)
 
     @staticmethod

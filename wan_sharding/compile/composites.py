@@ -139,19 +139,18 @@ class HardwareComposites(FusedSDPA):
         then writes all_gather -> ``tenstorrent.rms_norm`` -> all_slice, the pattern tt-mlir's
         ``FuseDistributedCustomCalls`` turns into one ``distributed_rms_norm`` on the local shards
         (statistics exchanged inside it, no gathered activation left)."""
+        from ..backends.tt_norms import norm_pin_specs, pin_axes
+
         mesh = self.backend.mesh
         if mesh.tp == 1:
             return input, weight, lambda out: out
-        tp, sp = mesh.tp_axis, mesh.sp_axis
-        split = mesh.sp > 1 and input.ndim >= 2 and input.shape[-2] == self._split_tokens()
-        lead = (None,) * (input.ndim - 2) + ((sp if split else None),)
+        pin, whole, split = norm_pin_specs(tuple(input.shape), self._split_tokens(), *pin_axes(mesh))
         constrain = self.backend.constrain
-        input = constrain(input, lead + (None,))
+        input = constrain(input, pin)
         if weight is not None:
+            # whole here, gathered from its TP split: tt-mlir's fusion takes the local shard again
             weight = constrain(weight, (None,) * weight.ndim)
-        # Result pinned whole first, then split: two constraints, as the SP anchor (a single split
-        # constraint is folded into the custom call's result and its shapes no longer agree).
-        return input, weight, lambda out: constrain(constrain(out, lead + (None,)), lead + (tp,))
+        return input, weight, lambda out: constrain(constrain(out, whole), split)
 
     def _layer_norm(self, input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
