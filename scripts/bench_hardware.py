@@ -7,10 +7,16 @@ lowering hardware compiles) and the torchax one (8x4). Printed per configuration
 block grouped by class (matmul/linear, norm, attention, elementwise, data movement, collectives,
 other), the composites that reached TTIR, the bill check, the options used and compile seconds.
 ``--level1`` adds Blackhole compiles at optimization level 1 (where tt-mlir keeps the fused SDPA);
-they take minutes each.
+they take minutes each. ``--galaxies`` compiles only the multi-Galaxy views (torchax, 64 and 128
+chips, ``4x16-tt-metal`` / ``4x32-tt-metal``, both archs) with the hardware set and default options
+(level 0 there, with the reason: Wormhole's firmware build, and on Blackhole tt-metal's mock
+device has no 64- or 128-chip configuration), the token
+dim padded by the default key mask (480p's 32760 tokens do not split over SP 16 or 32).
+Each run replaces the rows of the same label in the JSON and keeps the others.
 
     python scripts/bench_hardware.py                 # writes results/hardware.json
     python scripts/bench_hardware.py --only torchax --level1
+    python scripts/bench_hardware.py --galaxies
 """
 
 from __future__ import annotations
@@ -63,9 +69,16 @@ def op_classes(per_block_ops: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 2) for k, v in out.items()}
 
 
-def configs(only: str | None, level1: bool) -> list[tuple[str, str, CompileRequest]]:
+GALAXIES = ("4x16-tt-metal", "4x32-tt-metal")
+
+
+def configs(only: str | None, level1: bool, galaxies: bool = False) -> list[tuple[str, str, CompileRequest]]:
     lat = latent_for("480p")
     base = dict(variant="t2v-a14b", size="full", blocks=2, latent=lat, resolution="480p", padding="none")
+    if galaxies:
+        return [(arch, f"torchax {mesh} hardware (mask padding{', blackhole' if arch == 'blackhole' else ''})",
+                 CompileRequest(mesh=mesh, frontend="torchax", composites="hardware", **{**base, "padding": "mask"}))
+                for arch in ("wormhole_b0", "blackhole") for mesh in GALAXIES]
     rows = []
     for frontend, mesh in (("torch-xla", "2x4"), ("torchax", "8x4")):
         if only and frontend != only:
@@ -93,6 +106,10 @@ def row(label: str, arch: str, r: dict) -> dict:
     out["per_block_classes"] = op_classes(ops) if ops else None
     out["per_block_ops"] = ops
     out["per_block_sdpa_fused"] = ops.get("scaled_dot_product_attention", 0)
+    # large all-gathers per block and their axis: only K and V over SP belong there (none for a norm)
+    out["per_block_large_gathers"] = [{k: e[k] for k in ("count", "axis", "payload")}
+                                      for e in r.get("per_block_entries") or []
+                                      if e["kind"] == "all_gather" and e["size"] == "large"]
     return out
 
 
@@ -113,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=["torch-xla", "torchax"], default=None)
     p.add_argument("--level1", action="store_true", help="also compile at optimization level 1 on Blackhole")
+    p.add_argument("--galaxies", action="store_true", help="only the multi-Galaxy views (torchax, 64 and 128 chips)")
     p.add_argument("--out", default=str(ROOT / "results" / "hardware.json"))
     p.add_argument("--render", action="store_true", help="print the table of --out again (classes recomputed), no compile")
     args = p.parse_args(argv)
@@ -125,20 +143,23 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     rows = []
     t0 = time.time()
-    for arch, label, req in configs(args.only, args.level1):
+    for arch, label, req in configs(args.only, args.level1, args.galaxies):
         print(f"compiling {label} ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="bench_hw_") as work:
             report = compile_reports([req], arch, timeout=7200, work_dir=work)[0]
         rows.append(row(label, arch, report))
         print(markdown(rows[-1:]), flush=True)
-    out = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "host": platform.node(), "seconds": round(time.time() - t0),
-           "command": "python scripts/bench_hardware.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    command = "python scripts/bench_hardware.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    for r in rows:  # each row says where it came from (a run keeps other runs' rows)
+        r.update(command=command.strip(), date=date)
+    out = {"date": date, "host": platform.node(), "seconds": round(time.time() - t0), "command": command.strip(),
            "rows": rows}
     path = Path(args.out)
-    if path.exists() and args.only:  # keep the other frontend's rows
-        old = json.loads(path.read_text())
-        keep = [r for r in old.get("rows", []) if r["frontend"] != args.only or (r["arch"] == "blackhole") != args.level1]
-        out["rows"] = keep + [r for r in rows if r not in keep]
+    if path.exists():  # rows of the same label replaced in place, the others kept
+        new = {r["label"]: r for r in rows}
+        old = json.loads(path.read_text()).get("rows", [])
+        out["rows"] = [new.pop(r["label"], r) for r in old] + list(new.values())
     atomic_write(path, json.dumps(out, indent=1) + "\n")
     print()
     print(markdown(out["rows"]))
