@@ -324,25 +324,44 @@ def for_arch(req: CompileRequest, arch: str) -> CompileRequest:
     return dataclasses.replace(req, compile_options=options.to_json(), notes=tuple(notes), patches=patches)
 
 
-def _trace_torch_xla(reqs: list[CompileRequest], work: Path, deadline: float, python: str | None,
-                     verbose: bool) -> dict[int, dict[str, Any]]:
-    """Run the torch-xla frontend for the requests that ask for it: one fresh trace worker per
-    request (torch-xla SPMD sees a fixed number of devices per process, and the weights a trace
-    placed stay in that process: a full-width trace needs all of the host memory it can get).
-    Returns ``{request index: trace result}``; a trace that failed is a result with ``ok`` False."""
-    traced: dict[int, dict[str, Any]] = {}
+def _trace_batches(reqs: list[CompileRequest]) -> list[list[int]]:
+    """The torch-xla requests in trace-worker batches: a full-width trace alone in its worker (the
+    weights a trace placed stay in that process: it needs all of the host memory it can get), tiny
+    ones together per device count (torch-xla SPMD sees a fixed number of devices per process), so
+    a tiny compile does not pay a worker start-up per graph."""
+    batches: list[list[int]] = []
+    tiny: dict[int, list[int]] = {}
     for i, r in enumerate(reqs):
         if r.frontend != "torch-xla":
             continue
+        if r.size == "tiny":
+            if r.num_devices not in tiny:
+                tiny[r.num_devices] = []
+                batches.append(tiny[r.num_devices])
+            tiny[r.num_devices].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _trace_torch_xla(reqs: list[CompileRequest], work: Path, deadline: float, python: str | None,
+                     verbose: bool) -> dict[int, dict[str, Any]]:
+    """Run the torch-xla frontend for the requests that ask for it, in fresh trace workers
+    (:func:`_trace_batches`). Returns ``{request index: trace result}``; a trace that failed is a
+    result with ``ok`` False."""
+    traced: dict[int, dict[str, Any]] = {}
+    for batch in _trace_batches(reqs):
+        r = reqs[batch[0]]
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CompileError("compile timeout reached before the torch-xla traces were done")
-        log_file = work / f"trace_{i:03d}.log"
-        params = {"requests": [{"index": i, **reqs[i].to_json()}]}
+        log_file = work / f"trace_{batch[0]:03d}.log"
+        params = {"requests": [{"index": i, **reqs[i].to_json()} for i in batch]}
+        label = r.label() if len(batch) == 1 else f"{len(batch)} tiny graphs from {r.label()}"
         echo = contextlib.redirect_stdout(sys.stderr) if verbose else contextlib.nullcontext()
         try:
             with echo:
-                run = workers.run_worker(TRACE_MODULE, params, trace_env(r.num_devices), label=f"torch-xla trace of {r.label()}",
+                run = workers.run_worker(TRACE_MODULE, params, trace_env(r.num_devices), label=f"torch-xla trace of {label}",
                                          log_file=log_file, timeout=remaining, echo=verbose, merge_stderr=True,
                                          retries_on_stall=1, python=python)
         except workers.WorkerError as e:
@@ -350,14 +369,16 @@ def _trace_torch_xla(reqs: list[CompileRequest], work: Path, deadline: float, py
         for raw in run.results:
             raw = dict(raw)
             traced[raw.pop("index")] = raw
-        if i not in traced:
+        for i in batch:
+            if i in traced:
+                continue
             # SIGKILL with no watchdog involved is the kernel's OOM killer: torch-xla holds every
             # weight shard once per virtual device, so SP multiplies the host memory a trace needs.
             oom = run.returncode == -9 and not (run.stalled or run.timed_out)
             why = ("killed, most likely out of host memory (torch-xla keeps each weight shard once per virtual "
                    "device: fewer blocks or a smaller mesh fit)" if oom else f"ended (exit code {run.returncode})")
             traced[i] = {"ok": False, "log": _tail(run.output),
-                         "error": f"torch-xla trace worker {why} before {r.label()} was traced; log: {log_file}"}
+                         "error": f"torch-xla trace worker {why} before {reqs[i].label()} was traced; log: {log_file}"}
     return traced
 
 
