@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--meshes", default=",".join(MESHES))
     p.add_argument("--archs", default="blackhole,wormhole_b0")
     p.add_argument("--blocks", type=int, default=2, help="depth of the deep graph (the shallow one is 1 block)")
-    p.add_argument("--no-plan", action="store_true", help="compile only")
+    p.add_argument("--no-plan", action="store_true", help="compile only (the plans already in --out are kept)")
     p.add_argument("--skip-compile", action="store_true", help="reuse the compiles in --out, run the plans again")
     p.add_argument("--out", default=str(ROOT / "results" / "galaxies.json"))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per compile batch")
@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         print(plan_table(data["plans"]))
         return 0
     meshes, archs = args.meshes.split(","), args.archs.split(",")
+    # --no-plan keeps the plans of --out: the planner pins its own lowering (planner/compiled.py)
+    kept_plans = json.loads(Path(args.out).read_text()).get("plans", []) if args.no_plan and Path(args.out).exists() else []
 
     out = {
         "what": "tt-mlir compile-only (torchax lowering, abstract weights, mask padding); per-block bill from the "
@@ -168,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         out["compiles"] = compile_runs(meshes, archs, args.blocks, args.timeout)
         out["compile_wall_seconds"] = round(time.perf_counter() - t0, 1)
-        atomic_write(args.out, json.dumps({**out, "plans": []}, indent=1))  # kept even if a plan fails
+        atomic_write(args.out, json.dumps({**out, "plans": kept_plans}, indent=1))  # kept even if a plan fails
     runs = out["compiles"]
     print(compile_table(runs))
     print(f"\n{len(runs)} configurations compiled in {out['compile_wall_seconds']:.0f} s (torchax lowering)")
-    plans = [] if args.no_plan else plan_runs(meshes, archs, args.timeout)
+    plans = kept_plans if args.no_plan else plan_runs(meshes, archs, args.timeout)
     print(plan_table(plans))
     path = atomic_write(args.out, json.dumps({**out, "plans": plans}, indent=1))
     print(f"written to {path}")

@@ -299,6 +299,12 @@ def test_a_placement_the_pins_cannot_fix_is_refused_before_compiling(tt_stand_in
     assert len(tt_stand_ins.compiles) == 1 and hooks(dit) == 16 and hooks(other) == 0
     backend.release(dit)
     assert hooks(dit) == 0
+    with torch.no_grad():
+        backend.run(dit, None, **inputs)  # compiled again, pinned again
+    backend.place(dit, {**specs, norm_q: (None,)})  # a new placement is checked again before its compile
+    with pytest.raises(BackendError, match="norm_q"), torch.no_grad():
+        backend.run(dit, None, **inputs)
+    assert hooks(dit) == 0
 
 
 # ---------------------------------------------------------------------------- the plugin's option keys

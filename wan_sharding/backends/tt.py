@@ -203,9 +203,13 @@ class TTBackend(XlaBackend):
         return hint
 
     def place(self, dit: torch.nn.Module, specs: Mapping[torch.Tensor, Spec]) -> Any:
-        """As the xla backend; the specs are kept (by name) for the check before each compile."""
+        """As the xla backend; the specs are kept (by name) for the check before the next compile,
+        which a new placement makes again (its RMSNorm pins are placed afresh)."""
         self._placed_specs[dit] = dict(specs.by_name() if hasattr(specs, "by_name")
                                        else {n: specs[p] for n, p in dit.named_parameters()})
+        pins = self._pins.pop(dit, None)
+        if pins is not None:
+            pins.remove()
         return super().place(dit, specs)
 
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -214,18 +218,20 @@ class TTBackend(XlaBackend):
 
     def pin_norms(self, dit: torch.nn.Module) -> NormPins | None:
         """Before a compile on a TP mesh: check that the graph sent will compile (BackendError,
-        one line, naming the fix), then pin ``dit``'s TP-split RMSNorms (once per model; again
-        if its SP hooks changed). ``release`` takes the pins off. ``None`` on a TP-1 mesh."""
+        one line, naming the fix), then pin ``dit``'s TP-split RMSNorms; once per model and
+        placement, again when its SP hooks changed. ``release`` takes the pins off. ``None`` on
+        a TP-1 mesh."""
         if self.mesh.tp == 1:
             return None
+        pins = self._pins.get(dit)
+        if pins is not None and not pins.stale(dit):
+            return pins  # checked and placed for this placement and these SP hooks: nothing per forward
         refusal = norm_pin_refusal(dit, self.mesh, self._placed_specs.get(dit))
         if refusal is not None:
             raise BackendError(refusal)
-        pins = self._pins.get(dit)
-        if pins is None or pins.stale(dit):
-            if pins is not None:
-                pins.remove()
-            pins = self._pins[dit] = NormPins(self, dit)
+        if pins is not None:
+            pins.remove()
+        pins = self._pins[dit] = NormPins(self, dit)
         return pins
 
     def compiled_for(self, dit: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
