@@ -420,11 +420,6 @@ def test_one_graph_per_compiled_forward_holding_every_sp_constraint(dynamo_run, 
     rep3, sp3 = sdy_string(("sp", "tp"), (None,) * 3), sdy_string(("sp", "tp"), (None, "sp", None))
     mask = [rep4] if case.split(":")[2] == "mask" else []
     assert graph == [rep4, sp4, rep4, sp4, *mask, rep3, sp3, rep3]
-    # the sharded forward computes what the unsharded model does (real SPMD constraints on CPU)
-    if case.split(":")[1] == "fp32":
-        assert r["max_abs"] <= 1e-4, r["max_abs"]
-    else:
-        assert r["pcc"] >= 0.99, r["pcc"]
 
 
 def _pins(tokens_split: bool) -> list[list[str]]:
@@ -442,8 +437,8 @@ def _pins(tokens_split: bool) -> list[list[str]]:
 def test_rms_norm_pins_in_the_one_graph_and_gone_after_release(request, mesh):
     """On a TP mesh the backend pins every ``nn.RMSNorm`` (tt-xla marks it ``tenstorrent.rms_norm``;
     unpinned, tt-mlir rejects it, docs/tt-backend.md) inside the one dynamo graph of a forward:
-    8 norms, each fed by its input pin and followed by its two result pins; the output as the
-    unsharded model's. After ``release`` no hook is left on the norms and a graph compiled
+    8 norms, each fed by its input pin and followed by its two result pins; the output (fetched
+    for this case only: each fetch compiles and runs the SPMD program) as the unsharded model's. After ``release`` no hook is left on the norms and a graph compiled
     afresh holds the 8 norms and no pin."""
     run = request.getfixturevalue("dynamo_run_1x4" if mesh == "1x4" else "dynamo_run")
     r = run["cases"][GRAPH_CASES[0]]
