@@ -102,7 +102,8 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
 
 
 # What the plugin says when its TTIR -> TTNN pipeline fails; with DRAM space saving on, that is what
-# tt-mlir 0.1.3 gives for the torch-xla lowering of the DiT at every level (no diagnostic printed).
+# tt-mlir 0.1.3 gives for the tiny torch-xla lowering of diffusers' RoPE at every level: its
+# ttnn-memory-management patterns do not converge (no diagnostic; docs/compile-hardware.md).
 _TTNN_PIPELINE_FAILED = "Failed to run TTIRToTTNNCommon pipeline"
 DRAM_NOTE = ("experimental-enable-dram-space-saving-optimization=true failed in tt-mlir's TTIR -> TTNN pipeline "
              "('Failed to run TTIRToTTNNCommon pipeline', no diagnostic); compiled again with it false")
