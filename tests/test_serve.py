@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import CPU_COMPILE_FLAGS
 from test_workers import _workers_of
 from wan_sharding.cli import UsageError, build_parser
 from wan_sharding.serve import Client
@@ -39,7 +40,7 @@ G = "/v1/videos/generations"
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)  # the server sets up its worker's environment itself
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = CPU_COMPILE_FLAGS  # without the suite's device count
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH"))
                                         if p)
     return env

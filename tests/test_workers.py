@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CPU_COMPILE_FLAGS
 from wan_sharding.workers import PARENT_ENV, atomic_path, atomic_write, run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +116,7 @@ def _interrupt_when_working(cmd: list[str], sig: int, settle_s: float = 4.0) -> 
     command (as Ctrl-C does to the foreground process); returns (rc, workers left, stderr)."""
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)  # the command sets up its workers' environments itself
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = CPU_COMPILE_FLAGS  # without the suite's device count
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -164,3 +165,16 @@ def test_ctrl_c_on_compile_stops_its_worker(tmp_path):
     assert left == 0
     assert rc == 130, stderr[-2000:]
     assert not (tmp_path / "ir" / "report.json").exists()
+
+
+@pytest.mark.parametrize("backend,count", [("jax", "--xla_force_host_platform_device_count=4"), ("xla", None)])
+def test_cpu_workers_keep_the_users_xla_flags_and_set_their_own_device_count(monkeypatch, backend, count):
+    from wan_sharding.jobs import launch
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/hlo")
+    env = launch.worker_env(backend, 4)
+    # torch-xla counts its CPU devices with CPU_NUM_DEVICES; JAX's count flag would confuse its client
+    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/hlo"] + ([count] if count else [])
+    assert backend == "jax" or env["CPU_NUM_DEVICES"] == "4"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert ("XLA_FLAGS" in launch.worker_env(backend, 4)) == (backend == "jax")

@@ -138,6 +138,22 @@ class Backend(abc.ABC):
         return f"{type(self).__name__}({self.mesh.name})"
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_xla_flags(env: dict[str, str], *flags: str) -> dict[str, str]:
+    """``env`` with its ``XLA_FLAGS`` set to the user's own flags less any host device count (the
+    worker's device count is the package's to set) plus ``flags``; unset when nothing is left.
+    Keeping the user's other flags is how a dump directory or a compile setting reaches a worker."""
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    kept += flags
+    if kept:
+        env["XLA_FLAGS"] = " ".join(kept)
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
 class Program:
     """A compiled forward: calling it runs it and returns the device output. ``text`` is the
     partitioned program where the backend can show it."""

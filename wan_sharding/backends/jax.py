@@ -18,7 +18,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import Backend, BackendError, Program, input_signature, slice_bytes
+from .base import DEVICE_COUNT_FLAG, Backend, BackendError, Program, input_signature, slice_bytes, with_xla_flags
 
 
 class JaxBackend(Backend):
@@ -308,8 +308,8 @@ class JaxBackend(Backend):
     @staticmethod
     def cpu_env(num_devices: int) -> dict[str, str]:
         """Environment for a process that runs JAX on ``num_devices`` CPU devices."""
-        env = dict(os.environ)
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+        env = with_xla_flags(dict(os.environ), f"{DEVICE_COUNT_FLAG}={num_devices}")
+        env["JAX_PLATFORMS"] = "cpu"
         env.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
         return env
 

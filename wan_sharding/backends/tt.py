@@ -25,7 +25,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import BackendError, input_signature
+from .base import BackendError, input_signature, with_xla_flags
 from .tt_norms import NormPins, norm_pin_refusal
 from .tt_options import COMPILE_OPTIONS_ENV, FIELD_KEYS, PLUGIN_OPTIONS, TTCompileOptions, TTOptionsError  # noqa: F401
 from .xla import XlaBackend
@@ -337,9 +337,4 @@ class TTBackend(XlaBackend):
         env["PJRT_DEVICE"] = "TT"  # not CPU, whatever the parent process defaulted it to
         env.pop("CPU_NUM_DEVICES", None)
         env.setdefault("CONVERT_SHLO_TO_SHARDY", "1")
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-        if flags:
-            env["XLA_FLAGS"] = " ".join(flags)
-        else:
-            env.pop("XLA_FLAGS", None)
-        return env
+        return with_xla_flags(env)

@@ -14,7 +14,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import Backend, BackendError, slice_bytes
+from .base import Backend, BackendError, slice_bytes, with_xla_flags
 
 
 def enable_spmd() -> None:
@@ -142,9 +142,9 @@ class XlaBackend(Backend):
     @staticmethod
     def cpu_env(num_devices: int) -> dict[str, str]:
         """Environment for a process that runs torch-xla SPMD on ``num_devices`` CPU devices."""
-        env = dict(os.environ)
+        # JAX's device-count flag would confuse torch-xla's CPU client (CPU_NUM_DEVICES counts here)
+        env = with_xla_flags(dict(os.environ))
         env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(num_devices))
-        env.pop("XLA_FLAGS", None)  # JAX's device-count flag would confuse torch-xla's CPU client
         return env
 
 

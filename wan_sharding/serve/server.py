@@ -108,6 +108,11 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
     if sup.broken:
         print(f"wan-sharding serve: error: {sup.broken}", file=sys.stderr)
         return 1
+    if server.stopped_by:
+        # uvicorn re-raises the signal that stopped it once it has shut down, through asyncio's own
+        # SIGINT handler; that re-raise was seen lost once (exit 0 after Ctrl-C, in the suite). A
+        # stop by a signal is an interruption: exit 130 every time, not by the timing of two handlers.
+        raise KeyboardInterrupt(server.stopped_by)
     return 0
 
 
