@@ -6,6 +6,7 @@ both read XLA_FLAGS, and the Tenstorrent plugin breaks JAX's CPU backend unless 
 """
 
 import os
+import signal
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 # XLA's CPU code generation without LLVM's expensive passes: every tiny-model compile in the suite
@@ -16,3 +17,9 @@ CPU_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expen
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {CPU_COMPILE_FLAGS}"
 os.environ.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# A suite started in the background by a shell without job control inherits SIGINT ignored, and so
+# would every command the tests interrupt as Ctrl-C does (they would carry on and exit 0): restore
+# Ctrl-C, which the children then get as Python's default (a handler is not inherited across exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -151,7 +151,7 @@ CLI = [sys.executable, "-m", "wan_sharding.cli"]
 def test_interrupting_generate_stops_its_worker_and_writes_nothing(tmp_path, sig):
     out = tmp_path / "generate"
     rc, left, stderr = _interrupt_when_working(
-        [*CLI, "generate", "--mesh", "1x4", "--backend", "jax", "--steps", "50", "--out", str(out)], sig)
+        [*CLI, "generate", "--mesh", "1x4", "--backend", "jax", "--steps", "500", "--out", str(out)], sig)
     assert left == 0
     assert rc == 130, stderr[-2000:]
     assert "interrupted" in stderr

@@ -109,9 +109,9 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
         print(f"wan-sharding serve: error: {sup.broken}", file=sys.stderr)
         return 1
     if server.stopped_by:
-        # uvicorn re-raises the signal that stopped it once it has shut down, through asyncio's own
-        # SIGINT handler; that re-raise was seen lost once (exit 0 after Ctrl-C, in the suite). A
-        # stop by a signal is an interruption: exit 130 every time, not by the timing of two handlers.
+        # uvicorn re-raises the signal that stopped it once it has shut down, under the handler the
+        # process started with: where that was "ignore" (SIGINT in a shell's background job) the
+        # server would exit 0. A stop by a signal is an interruption: exit 130 every time.
         raise KeyboardInterrupt(server.stopped_by)
     return 0
 
