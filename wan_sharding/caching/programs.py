@@ -101,26 +101,35 @@ class BlockPlan:
 
     # ------------------------------------------------------------------ inside a traced program
 
-    def body(self, program: str, forward: Callable[[], Any], extra: dict) -> dict:
-        """The outputs of ``program``: ``forward()`` runs the model's forward (in the backend's
-        tracing context) while the inner hooks replace and record as this program needs."""
+    def _trace(self, program: str, extra: dict) -> Trace:
+        """What the inner hooks replace and record while ``program`` is traced."""
         first, last, others = self.blocks[0], self.blocks[-1], self.blocks[1:]
         identity = {name: (lambda h: h) for name in others}
         given = {name: (lambda h, v=extra["units"][name]: v) for name in self.prefix} if "units" in extra else {}
         if (self.kind, program) == ("fbc", "head"):
-            trace = Trace(identity, (*self.prefix, first))
-        elif (self.kind, program) == ("fbc", "rest"):
-            trace = Trace({**given, first: lambda h: extra["h0"]}, (last,))
-        elif (self.kind, program) == ("fbc", "reuse"):
+            return Trace(identity, (*self.prefix, first))
+        if (self.kind, program) == ("fbc", "rest"):
+            return Trace({**given, first: lambda h: extra["h0"]}, (last,))
+        if (self.kind, program) == ("fbc", "reuse"):
             # FBCHeadBlockHook: tail_block_residuals[0] + output; the other blocks return their input
-            trace = Trace({**given, **identity, first: lambda h: extra["tail"] + extra["h0"]}, ())
-        elif (self.kind, program) == ("mag", "full"):
-            trace = Trace({}, (first, last))
-        elif (self.kind, program) == ("mag", "reuse"):
+            return Trace({**given, **identity, first: lambda h: extra["tail"] + extra["h0"]}, ())
+        if (self.kind, program) == ("mag", "full"):
+            return Trace({}, (first, last))
+        if (self.kind, program) == ("mag", "reuse"):
             # MagCacheHeadHook: output = hidden_states; output = output + previous_residual
-            trace = Trace({**identity, first: lambda h: h + extra["residual"]}, ())
-        else:
-            raise ValueError(f"no program {program!r} for a {self.kind} cache")
+            return Trace({**identity, first: lambda h: h + extra["residual"]}, ())
+        raise ValueError(f"no program {program!r} for a {self.kind} cache")
+
+    def skipped_modules(self, program: str, extra: dict) -> tuple[str, ...]:
+        """The modules whose own forward ``program`` does not run (replaced by an identity or a
+        value handed over): a backend need not pass their weights to that program."""
+        return tuple(self._trace(program, extra).replace)
+
+    def body(self, program: str, forward: Callable[[], Any], extra: dict) -> dict:
+        """The outputs of ``program``: ``forward()`` runs the model's forward (in the backend's
+        tracing context) while the inner hooks replace and record as this program needs."""
+        first, last = self.blocks[0], self.blocks[-1]
+        trace = self._trace(program, extra)
         with self.tracing(trace):
             out = forward()
         rec = trace.recorded
