@@ -86,7 +86,9 @@ class BlockPlan:
         self.dit, self.kind = dit, kind
         self.blocks = sorted(hooked, key=lambda n: int(n.rsplit(".", 1)[1]))  # blocks.0 .. blocks.N-1
         self.prefix = prefix  # the root's modules that run before the block stack
-        self._meta = TransformerBlockRegistry.get(type(dict(dit.named_modules())[self.blocks[0]]))
+        # looked up at every forward (each program call on a lazy backend): walked once, here
+        self._modules = {name: module for name, module in dit.named_modules() if name in self.blocks}
+        self._meta = TransformerBlockRegistry.get(type(self._modules[self.blocks[0]]))
         self.trace: Trace | None = None
         self.below: dict[str, Callable] = {}  # set by install_probe: block -> the forward under its cache hook
         self.timing = ForwardTiming()
@@ -151,7 +153,7 @@ class BlockPlan:
     def tracing(self, trace: Trace) -> Iterator[None]:
         """Set ``trace`` for the inner hooks and step over the cache hooks of the blocks: each
         block's ``forward`` is, for the trace, the one its cache hook wraps (restored after)."""
-        modules = dict(self.dit.named_modules())
+        modules = self._modules
         saved = {name: modules[name].__dict__.get("forward") for name in self.blocks}
         self.trace = trace
         try:
@@ -198,7 +200,7 @@ class BlockPlan:
         return out
 
     def _hook(self, block: str, name: str) -> Any:
-        return dict(self.dit.named_modules())[block]._diffusers_hook.get_hook(name)
+        return self._modules[block]._diffusers_hook.get_hook(name)
 
     def _fbc(self, run: Callable[..., Any]) -> tuple[Any, list[bool]]:
         from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
