@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", default="2x4")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--blocks", type=int, default=16,
-                   help="transformer blocks per expert (the tiny config has 2; 16 put ~90%% of a video's time in the blocks)")
+                   help="transformer blocks per expert (the tiny config has 2; 16 put 84-89%% of a video's time in the blocks here)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved warm runs, cached and uncached, per kind")
     p.add_argument("--caches", default=",".join(k for k in CACHE_KINDS if k != "none"))
     p.add_argument("--out", default=str(ROOT / "results" / "cache.json"))
