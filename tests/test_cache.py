@@ -52,6 +52,10 @@ API_SCRIPT = textwrap.dedent('''
     r["programs"] = sorted(key[1] for key in programs)
     r["compiled_once"] = [f._cache_size() for f in programs.values()]
     r["programs_per_forward"] = plan.timing.program_calls / plan.timing.forwards
+    # each program is given only the weights it reads (every array passed costs dispatch time)
+    weights = stand_in.backend._program_weights[id(real)]
+    r["blocks_read"] = sorted({(key[1], w.split(".")[1]) for key, ws in weights.items() for w in ws
+                               if w.startswith("blocks.")})
     stand_in.disable_cache()
     r["disabled"] = [stand_in.is_cache_enabled, real.is_cache_enabled]
     r["no_probe_after_disable"] = not any(INNER_HOOK in getattr(m, "_diffusers_hook").hooks
@@ -111,6 +115,8 @@ def test_stand_in_cache_api(runs):
     # the head twice (the first forward of a context has no statistic), the rest, the reuse path
     assert r["programs"] == ["head", "head", "rest", "reuse"] and r["compiled_once"] == [1, 1, 1, 1]
     assert r["programs_per_forward"] == 2
+    # the head reads blocks.0's weights only, rest blocks.1 only (2 blocks), reuse none
+    assert r["blocks_read"] == [["head", "0"], ["rest", "1"]]
     assert r["disabled"] == [False, False] and r["no_probe_after_disable"]
     assert "already enabled" in r["twice"]
     assert r["via_stand_in_skipped"] > 0

@@ -58,6 +58,37 @@ def host_overhead(pipe: Any) -> dict[str, Any] | None:
             "host_overhead_s": round(host / max(forwards, 1), 6)}
 
 
+def blocks_share(p: dict[str, Any], mesh: str, run_n: Any, blocks: int) -> dict[str, Any]:
+    """The share of an uncached video's warm time spent in the blocks: the same pipeline with one
+    block per expert, sharded alike, timed interleaved with the ``blocks`` one; with
+    ``T(n) = fixed + n * per_block``, the share is ``blocks * per_block / T(blocks)``. What the
+    rest is: the embedders and output layers, the inputs' copy to the devices and the output's
+    back, the dispatch, the pipeline's own loop (scheduler, CFG)."""
+    from ..jobs.launch import mesh_arg
+    from ..options import torch_dtype
+    from ..pipeline import shard_pipeline
+    from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
+
+    one = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]), blocks=1)
+    one.set_progress_bar_config(disable=True)
+    handle = shard_pipeline(one, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
+    try:
+        run_one = lambda: one(**call_kwargs(one, steps=p["steps"], seed=p["seed"]), output_type="latent")  # noqa: E731
+        run_one()
+        t_one, t_n = [], []
+        for _ in range(max(p.get("repeats", 3), 3)):
+            for f, out in ((run_one, t_one), (run_n, t_n)):
+                t = time.perf_counter()
+                f()
+                out.append(time.perf_counter() - t)
+    finally:
+        handle.remove()
+    one_s, n_s = statistics.median(t_one), statistics.median(t_n)
+    per_block = (n_s - one_s) / max(blocks - 1, 1)
+    return {"blocks_share": round(blocks * per_block / n_s, 3), "one_block_warm_seconds": round(one_s, 4),
+            "blocks_warm_seconds": round(n_s, 4)}
+
+
 def cache_comparison(p: dict[str, Any], emit: Any) -> None:
     """The worker's job (see the module docstring); ``emit`` gets one result per mesh and kind."""
     from ..jobs.launch import mesh_arg
@@ -94,6 +125,7 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
         try:
             uncached, first = timed()
             frames = decode_frames(pipe, uncached) if p["timing"] else None
+            share = blocks_share(p, mesh, run, len(pipe.transformer.dit.blocks)) if p["timing"] else {}
             for cache in p["caches"]:
                 ratios, reference, reference_stats = references[cache]
                 calls_before = {e.name: e.wrapper.calls for e in handle.experts}
@@ -127,6 +159,11 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
                         "psnr_db_vs_uncached": round(psnr(frames, decode_frames(pipe, out)), 2),
                         "warm_seconds": round(mc, 4), "uncached_warm_seconds": round(mu, 4),
                         "warm_ratio": round(mc / mu, 3), "goal_ratio": round(computed / calls + 0.15, 4),
+                        # the median of the ratios of adjacent runs: less moved by a load that changes
+                        "paired_ratio": round(statistics.median(c / u for c, u in zip(warm_c, warm_u)), 3),
+                        **share,
+                        # the share of the video's work computed: the blocks computed, and all the rest
+                        "work_fraction": round(share["blocks_share"] * computed / calls + 1 - share["blocks_share"], 4),
                         "warm_samples": [round(x, 4) for x in warm_c],
                         "uncached_warm_samples": [round(x, 4) for x in warm_u],
                         "spread": round(max(_spread(warm_c), _spread(warm_u)), 3),

@@ -86,7 +86,9 @@ class BlockPlan:
         self.dit, self.kind = dit, kind
         self.blocks = sorted(hooked, key=lambda n: int(n.rsplit(".", 1)[1]))  # blocks.0 .. blocks.N-1
         self.prefix = prefix  # the root's modules that run before the block stack
-        self._meta = TransformerBlockRegistry.get(type(dict(dit.named_modules())[self.blocks[0]]))
+        # looked up at every forward (each program call on a lazy backend): walked once, here
+        self._modules = {name: module for name, module in dit.named_modules() if name in self.blocks}
+        self._meta = TransformerBlockRegistry.get(type(self._modules[self.blocks[0]]))
         self.trace: Trace | None = None
         self.below: dict[str, Callable] = {}  # set by install_probe: block -> the forward under its cache hook
         self.timing = ForwardTiming()
@@ -101,26 +103,35 @@ class BlockPlan:
 
     # ------------------------------------------------------------------ inside a traced program
 
-    def body(self, program: str, forward: Callable[[], Any], extra: dict) -> dict:
-        """The outputs of ``program``: ``forward()`` runs the model's forward (in the backend's
-        tracing context) while the inner hooks replace and record as this program needs."""
+    def _trace(self, program: str, extra: dict) -> Trace:
+        """What the inner hooks replace and record while ``program`` is traced."""
         first, last, others = self.blocks[0], self.blocks[-1], self.blocks[1:]
         identity = {name: (lambda h: h) for name in others}
         given = {name: (lambda h, v=extra["units"][name]: v) for name in self.prefix} if "units" in extra else {}
         if (self.kind, program) == ("fbc", "head"):
-            trace = Trace(identity, (*self.prefix, first))
-        elif (self.kind, program) == ("fbc", "rest"):
-            trace = Trace({**given, first: lambda h: extra["h0"]}, (last,))
-        elif (self.kind, program) == ("fbc", "reuse"):
+            return Trace(identity, (*self.prefix, first))
+        if (self.kind, program) == ("fbc", "rest"):
+            return Trace({**given, first: lambda h: extra["h0"]}, (last,))
+        if (self.kind, program) == ("fbc", "reuse"):
             # FBCHeadBlockHook: tail_block_residuals[0] + output; the other blocks return their input
-            trace = Trace({**given, **identity, first: lambda h: extra["tail"] + extra["h0"]}, ())
-        elif (self.kind, program) == ("mag", "full"):
-            trace = Trace({}, (first, last))
-        elif (self.kind, program) == ("mag", "reuse"):
+            return Trace({**given, **identity, first: lambda h: extra["tail"] + extra["h0"]}, ())
+        if (self.kind, program) == ("mag", "full"):
+            return Trace({}, (first, last))
+        if (self.kind, program) == ("mag", "reuse"):
             # MagCacheHeadHook: output = hidden_states; output = output + previous_residual
-            trace = Trace({**identity, first: lambda h: h + extra["residual"]}, ())
-        else:
-            raise ValueError(f"no program {program!r} for a {self.kind} cache")
+            return Trace({**identity, first: lambda h: h + extra["residual"]}, ())
+        raise ValueError(f"no program {program!r} for a {self.kind} cache")
+
+    def skipped_modules(self, program: str, extra: dict) -> tuple[str, ...]:
+        """The modules whose own forward ``program`` does not run (replaced by an identity or a
+        value handed over): a backend need not pass their weights to that program."""
+        return tuple(self._trace(program, extra).replace)
+
+    def body(self, program: str, forward: Callable[[], Any], extra: dict) -> dict:
+        """The outputs of ``program``: ``forward()`` runs the model's forward (in the backend's
+        tracing context) while the inner hooks replace and record as this program needs."""
+        first, last = self.blocks[0], self.blocks[-1]
+        trace = self._trace(program, extra)
         with self.tracing(trace):
             out = forward()
         rec = trace.recorded
@@ -142,7 +153,7 @@ class BlockPlan:
     def tracing(self, trace: Trace) -> Iterator[None]:
         """Set ``trace`` for the inner hooks and step over the cache hooks of the blocks: each
         block's ``forward`` is, for the trace, the one its cache hook wraps (restored after)."""
-        modules = dict(self.dit.named_modules())
+        modules = self._modules
         saved = {name: modules[name].__dict__.get("forward") for name in self.blocks}
         self.trace = trace
         try:
@@ -189,7 +200,7 @@ class BlockPlan:
         return out
 
     def _hook(self, block: str, name: str) -> Any:
-        return dict(self.dit.named_modules())[block]._diffusers_hook.get_hook(name)
+        return self._modules[block]._diffusers_hook.get_hook(name)
 
     def _fbc(self, run: Callable[..., Any]) -> tuple[Any, list[bool]]:
         from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
