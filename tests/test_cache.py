@@ -8,18 +8,26 @@ whole, that removing a probe restores the model) run here on a bare tiny DiT, wi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
-from wan_sharding.caching import CACHE_KINDS, compiled_units, install_probe, wan_cache_config
+from wan_sharding.caching import (
+    CACHE_KINDS,
+    compiled_units,
+    install_probe,
+    wan_cache_config,
+)
 from wan_sharding.jobs.generate import cache_compare_in_subprocess
 from wan_sharding.jobs.launch import worker_env
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
+from wan_sharding.workers import run_worker
 
 KINDS = [k for k in CACHE_KINDS if k != "none"]
 STEPS = 6  # each A14B expert runs 3: enough for every kind's Wan defaults to skip
@@ -76,15 +84,23 @@ API_SCRIPT = textwrap.dedent('''
 ''')
 
 
+def _api_run(tmp: Path):
+    """API_SCRIPT as a worker of the package's own runner: its watchdog restarts a worker hung in the
+    jaxlib deadlock (docs/tt-mlir-notes.md) instead of the test waiting out a timeout."""
+    (tmp / "cache_api_probe.py").write_text(API_SCRIPT)
+    env = worker_env("jax", 8)
+    env["PYTHONPATH"] = os.pathsep.join((str(tmp), env["PYTHONPATH"]))
+    return run_worker("cache_api_probe", None, env, label="cache API worker", timeout=600)
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[str, Future]:
+def runs(tmp_path_factory) -> dict[str, Future]:
     pool = ThreadPoolExecutor(max_workers=2)
     futures = {
         "jax": pool.submit(cache_compare_in_subprocess, "jax", ["1x4", "2x4"], KINDS, steps=STEPS),
         "xla-1x4": pool.submit(cache_compare_in_subprocess, "xla", ["1x4"], KINDS, steps=STEPS),
         "xla-2x4": pool.submit(cache_compare_in_subprocess, "xla", ["2x4"], KINDS, steps=STEPS),
-        "api": pool.submit(subprocess.run, [sys.executable, "-c", API_SCRIPT], env=worker_env("jax", 8),
-                           capture_output=True, text=True, timeout=600),
+        "api": pool.submit(_api_run, tmp_path_factory.mktemp("cache-api")),
         "profile": pool.submit(subprocess.run, [sys.executable, "-m", "wan_sharding.cli", "profile", "--what", "step",
                                                 "--cache", "fbc", "--resolution", "tiny", "--warmup", "1", "--iters",
                                                 "2", "--json"], capture_output=True, text=True, timeout=600),
@@ -108,9 +124,9 @@ def test_sharded_cache_matches_unsharded_cache(runs, backend, mesh, kind):
 
 
 def test_stand_in_cache_api(runs):
-    proc = runs["api"].result()
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
+    run = runs["api"].result()
+    assert run.ok and len(run.results) == 1, run.output[-3000:]
+    r = run.results[0]
     assert r["enabled_before_sharding"] and r["adopted_skipped"] > 0
     # the head twice (the first forward of a context has no statistic), the rest, the reuse path
     assert r["programs"] == ["head", "head", "rest", "reuse"] and r["compiled_once"] == [1, 1, 1, 1]

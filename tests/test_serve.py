@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import CPU_COMPILE_FLAGS
 from test_workers import _workers_of
+
 from wan_sharding.cli import UsageError, build_parser
 from wan_sharding.serve import Client
 

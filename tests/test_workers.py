@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import CPU_COMPILE_FLAGS
+
 from wan_sharding.workers import PARENT_ENV, atomic_path, atomic_write, run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
