@@ -207,9 +207,7 @@ class TTBackend(XlaBackend):
         which a new placement makes again (its RMSNorm pins are placed afresh)."""
         self._placed_specs[dit] = dict(specs.by_name() if hasattr(specs, "by_name")
                                        else {n: specs[p] for n, p in dit.named_parameters()})
-        pins = self._pins.pop(dit, None)
-        if pins is not None:
-            pins.remove()
+        self._unpin_norms(dit)
         return super().place(dit, specs)
 
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -229,10 +227,14 @@ class TTBackend(XlaBackend):
         refusal = norm_pin_refusal(dit, self.mesh, self._placed_specs.get(dit))
         if refusal is not None:
             raise BackendError(refusal)
-        if pins is not None:
-            pins.remove()
+        self._unpin_norms(dit)
         pins = self._pins[dit] = NormPins(self, dit)
         return pins
+
+    def _unpin_norms(self, dit: torch.nn.Module) -> None:
+        pins = self._pins.pop(dit, None)
+        if pins is not None:
+            pins.remove()
 
     def compiled_for(self, dit: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         """The compiled forward of ``dit`` for inputs like these: made (and the compile options
@@ -317,9 +319,7 @@ class TTBackend(XlaBackend):
         entry = self._compiled.get(id(dit))
         if entry is not None and entry[0] is dit:
             del self._compiled[id(dit)]
-        pins = self._pins.pop(dit, None)
-        if pins is not None:
-            pins.remove()
+        self._unpin_norms(dit)
         self.dropped_entries = drop_dynamo_entries(dit)
 
     @staticmethod

@@ -70,7 +70,7 @@ def norm_pin_refusal(dit: torch.nn.Module, mesh: MeshSpec, placed: Mapping[str, 
         if len(norm.normalized_shape) != 1:
             return (f"{name} normalises over {tuple(norm.normalized_shape)}: the tt backend's TP pins split only the last "
                     "dim; use the diffusers Wan config (RMSNorm over the channels) or a mesh with TP 1")
-    for name, norm in dict(dit.named_modules()).items():
+    for name, norm in dit.named_modules():
         if not isinstance(norm, torch.nn.RMSNorm) or norm.weight is None or placed is None:
             continue
         spec = tuple(placed.get(f"{name}.weight", (None,)))
