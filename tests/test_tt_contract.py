@@ -468,6 +468,27 @@ def test_many_models_in_one_process_stay_compiled(dynamo_run):
     assert r["options"] == [WAN_TEST_OPTIONS]  # sent once, for every model
 
 
+@pytest.mark.parametrize("backend", ["tt", "xla"])
+@pytest.mark.parametrize("kind, programs", [("fbc", ["head", "head", "rest", "reuse"]), ("mag", ["full", "reuse"])])
+def test_a_cached_forward_is_one_graph_per_program(dynamo_run, backend, kind, programs):
+    """A block cache's forwards under real dynamo, in the same process: on ``tt`` with the stand-in
+    backend, on ``xla`` with torch-xla's own ``openxla`` backend. Each program is one graph (no
+    graph break: a break would split a program into several graphs and, on tt, lose trace replay),
+    compiled once (the graphs after the first three forwards are all there are, with dynamo's
+    recompile limit at 1: each program is a code object of its own). The decisions and outputs
+    are the unsharded model's with the same cache. Enabled again, the cache gets new hooks and its
+    programs are compiled afresh for them, deciding as before."""
+    r = dynamo_run["cached"][f"{backend}-{kind}"]
+    assert r["breaks"] == {}, r["breaks"]
+    assert r["programs"] == programs
+    assert r["graphs_after_first_run"] == r["graphs"][0] == len(programs)
+    assert r["decisions_match"] and r["skipped"] > 0
+    assert r["max_abs"] <= 1e-5, r["max_abs"]
+    if kind == "fbc":
+        assert r["programs_again"] == programs and r["graphs"][1] == len(programs)  # 2 forwards: all four again
+        assert r["decisions_match_again"]
+
+
 # ---------------------------------------------------------------------------- inference only
 
 def test_profile_runs_the_tt_forward_without_autograd(tt_stand_ins, monkeypatch):

@@ -215,7 +215,82 @@ def models(n: int) -> dict:
             "options": OPTIONS, "limit_hits": {str(k): v for k, v in torch._dynamo.utils.counters["stats"].items()}}
 
 
+def cached(preset: str) -> dict:
+    """A block cache's forwards (FirstBlockCache, MagCache) on the ``tt`` backend (the counting
+    stand-in) and on the ``xla`` backend (torch-xla's real ``openxla`` dynamo backend): per kind,
+    the dynamo graphs compiled and the graph breaks over four forwards (after the first three,
+    which reach every program, and at the end), the programs the backend compiled, the decisions
+    and outputs against the unsharded model with the same cache; for FirstBlockCache, then the
+    cache enabled again (new hooks): its programs compiled afresh, the outputs still the same."""
+    from wan_sharding import apply_dit_sp_activation_sharding, shard_dit_specs
+    from wan_sharding.backends.xla import XlaBackend
+    from wan_sharding.caching import install_probe, wan_cache_config
+    from wan_sharding.mesh import mesh_from_preset
+    from wan_sharding.models import LatentShape, build_dit, dit_inputs
+    from wan_sharding.pipeline import ShardedTransformer
+
+    inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    # One compiled entry per code object: every program still compiles, since each has its own
+    torch._dynamo.config.recompile_limit = 1
+    out = {}
+    for name, kind in [(b, k) for b in ("tt", "xla") for k in ("fbc", "mag")]:
+        backend = _backend(preset) if name == "tt" else XlaBackend(mesh_from_preset(preset), native_mesh=MESH[0])
+        # tt_torch turns dynamo's module inlining off; a stock torch-xla user has dynamo's default (on)
+        with torch._dynamo.config.patch(inline_inbuilt_nn_modules=name != "tt"):
+            config = lambda: wan_cache_config(kind, 3, threshold=1e9, mag_ratios=[1.0] * 3)  # noqa: E731  (skip when it can)
+            dit, reference_dit = build_dit("t2v-a14b", num_layers=3), build_dit("t2v-a14b", num_layers=3)
+            placed = backend.place(dit, shard_dit_specs(dit, backend.mesh))
+            sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding="mask")
+            model = ShardedTransformer(dit, backend, placed, "transformer", "mask", sp=sp)
+            r = {"graphs": [], "max_abs": 0.0}
+
+            def forwards(n: int) -> None:
+                torch._dynamo.utils.counters.clear()
+                before = len(GRAPHS)
+                with torch.no_grad():
+                    for step in range(n):  # runs of 3 steps (MagCache starts again after its 3)
+                        with model.cache_context("cond", step_index=step % 3), \
+                                reference_dit.cache_context("cond", step_index=step % 3):
+                            got = model(**inputs, return_dict=False)[0]
+                            ref = reference_dit(**inputs, return_dict=False)[0]
+                        r["max_abs"] = max(r["max_abs"], float((got.cpu() - ref).abs().max()))
+                        if step == 2:
+                            r["graphs_after_first_run"] = graphs_so_far(before)
+                r["graphs"].append(graphs_so_far(before))
+                r.setdefault("breaks", {}).update(
+                    {str(k): v for k, v in torch._dynamo.utils.counters["graph_break"].items()})
+
+            def graphs_so_far(before: int) -> int:  # the stand-in counts its graphs; openxla through dynamo's stats
+                return len(GRAPHS) - before if name == "tt" else torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+            def programs() -> list[str]:
+                if name == "tt":
+                    return sorted(k[2] for k in backend._compiled[id(dit)][1] if k[0] == "cached")
+                return sorted(k[1] for k in backend._cache_programs[id(dit)][2])
+
+            model.enable_cache(config())
+            reference = install_probe(reference_dit, config())
+            forwards(4)  # fbc: compute (no statistic yet), then reuse; mag: compute, reuse, reuse, compute
+            r["programs"] = programs()
+            r["decisions_match"] = model.cache_stats.decisions == reference.stats.decisions
+            r["skipped"] = model.cache_stats.skipped()
+            model.disable_cache(), reference.remove(keep_cache=False)
+            if kind == "fbc":  # enabled again (the same for both kinds): new hooks, so new programs
+                model.enable_cache(config())
+                reference = install_probe(reference_dit, config())
+                forwards(2)
+                r["programs_again"] = programs()
+                r["decisions_match_again"] = model.cache_stats.decisions == reference.stats.decisions
+                model.disable_cache(), reference.remove(keep_cache=False)
+            sp.remove()
+            backend.release(dit)
+            out[f"{name}-{kind}"] = r
+    torch._dynamo.reset()
+    return out
+
+
 if __name__ == "__main__":
     preset, n, *cases = sys.argv[1:]
-    result = {"cases": graphs(preset, cases), "models": models(int(n)) if int(n) else None}
+    result = {"cases": graphs(preset, cases), "models": models(int(n)) if int(n) else None,
+              "cached": cached(preset) if int(n) else None}
     print("RESULT " + json.dumps(result))

@@ -190,3 +190,24 @@ def slice_bytes(shape: tuple[int, ...], index: Any, itemsize: int) -> int:
         s = index[dim] if index is not None and dim < len(index) else slice(None)
         n *= len(range(*s.indices(size)))
     return n * itemsize
+
+
+def compiled_cache_program(plan: Any, name: str, dit: torch.nn.Module, backend: str) -> Callable[[tuple, dict, dict], dict]:
+    """A block plan's program ``name`` (:class:`~wan_sharding.caching.BlockPlan`) through
+    ``torch.compile(backend=backend, dynamic=False)``: called with the forward's inputs and what the
+    plan hands over, it returns the program's outputs; one dynamo graph per program (the plan's
+    body breaks none).
+
+    The program runs the root's ``forward`` itself, not ``dit(...)``: the root's only torch hook is
+    the SP device check, a dynamo-disabled function that would split the graph, and the backend
+    has put the inputs on the device already. Each program gets a code object of its own, because
+    dynamo keeps its compiled entries per code object and stops compiling one after
+    ``recompile_limit`` (8) entries: two experts with FirstBlockCache's four programs each reach it."""
+    import types
+
+    def program(a: tuple, k: dict, given: dict) -> dict:
+        return plan.body(name, lambda: dit.forward(*a, **k, return_dict=False)[0], given)
+
+    code = program.__code__.replace(co_name=f"{name}_program")
+    fn = types.FunctionType(code, program.__globals__, code.co_name, program.__defaults__, program.__closure__)
+    return torch.compile(fn, backend=backend, dynamic=False)

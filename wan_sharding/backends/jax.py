@@ -165,7 +165,7 @@ class JaxBackend(Backend):
 
     def release(self, dit: torch.nn.Module) -> None:
         self.__dict__.get("_jit_cache", {}).pop(id(dit), None)
-        for cache in ("_program_cache", "_program_weights", "_unit_cache"):  # a cached forward's programs and pieces
+        for cache in ("_program_cache", "_program_weights", "_program_plan", "_unit_cache"):  # a cached forward's programs and pieces
             self.__dict__.get(cache, {}).pop(id(dit), None)
 
     def _device_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -234,6 +234,10 @@ class JaxBackend(Backend):
         programs = self.__dict__.setdefault("_program_cache", {}).setdefault(id(dit), {})
         weights_of = self.__dict__.setdefault("_program_weights", {}).setdefault(id(dit), {})
         signature = input_signature((args, kwargs))
+        # Programs are kept across enable/disable (same plan key); a cache enabled again is a new
+        # plan over new hooks, so a program that jax traces again must trace the live plan.
+        live = self.__dict__.setdefault("_program_plan", {})
+        live[id(dit)] = plan
 
         def run(name: str, extra: dict) -> dict:
             key = (plan.key, name, signature, jax.tree_util.tree_structure(extra))
@@ -247,7 +251,7 @@ class JaxBackend(Backend):
                     state, a, k, given = env.j2t_iso((state, a, k, given))
                     with env:
                         forward = lambda: torch.func.functional_call(dit, state, a, {**k, "return_dict": False})[0]  # noqa: E731
-                        return env.t2j_iso(plan.body(name, forward, given))
+                        return env.t2j_iso(live[id(dit)].body(name, forward, given))
 
                 programs[key] = jax.jit(program)
             return programs[key](weights_of[key], jargs, jkwargs, extra)

@@ -25,7 +25,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import BackendError, input_signature, with_xla_flags
+from .base import BackendError, compiled_cache_program, input_signature, with_xla_flags
 from .tt_norms import NormPins, norm_pin_refusal
 from .tt_options import COMPILE_OPTIONS_ENV, FIELD_KEYS, PLUGIN_OPTIONS, TTCompileOptions, TTOptionsError  # noqa: F401
 from .xla import XlaBackend
@@ -297,16 +297,17 @@ class TTBackend(XlaBackend):
             entry = self._compiled[id(dit)] = (dit, {})
         signature = (input_signature(args), input_signature(kwargs))
         self.pin_norms(dit)
+        # A cache enabled again is a new plan over new hooks, which dynamo's guards on the old
+        # programs hold: those are dropped, and this plan's programs are compiled afresh.
+        for key in [k for k in entry[1] if k[0] == "cached" and k[1] is not plan]:
+            del entry[1][key]
 
         def run(name: str, extra: dict) -> dict:
-            key = ("cached", plan.key, name, signature, input_signature(extra))
+            key = ("cached", plan, name, signature, input_signature(extra))
             compiled = entry[1].get(key)
             if compiled is None:
-                def program(a: tuple, k: dict, given: dict) -> dict:
-                    return plan.body(name, lambda: dit(*a, **k, return_dict=False)[0], given)
-
                 _apply_compile_options(self.compile_options.to_torch_xla())
-                compiled = entry[1][key] = torch.compile(program, backend="tt", dynamic=False)
+                compiled = entry[1][key] = compiled_cache_program(plan, name, dit, "tt")
                 self.compiles += 1
             return compiled(args, kwargs, extra)
 

@@ -6,6 +6,7 @@ starts; ``enable_spmd()`` must run before the first XLA op.
 
 from __future__ import annotations
 
+import ast
 import os
 from typing import Any, Mapping
 
@@ -14,7 +15,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import Backend, BackendError, slice_bytes, with_xla_flags
+from .base import Backend, BackendError, compiled_cache_program, input_signature, slice_bytes, with_xla_flags
 
 
 def enable_spmd() -> None:
@@ -23,6 +24,31 @@ def enable_spmd() -> None:
 
     if not xr.is_spmd():
         xr.use_spmd()
+
+
+# The torch-xla meshes the dynamo-traced constraint op applies on, by a name the op carries.
+_MESHES: dict[str, Any] = {}
+
+
+def _register_constraint_op() -> None:
+    """``wan_sharding::xla_sharding_constraint``: :meth:`XlaBackend.constrain` as one op dynamo
+    traces (torch-xla's own custom-sharding call returns an ``XLAShardedTensor`` wrapper, which
+    dynamo cannot trace). The graph torch-xla's dynamo bridge builds from it runs the op's body on
+    lazy tensors, which puts the same custom-sharding node in the HLO as the lazy path does."""
+    if hasattr(torch.ops.wan_sharding, "xla_sharding_constraint"):
+        return
+
+    @torch.library.custom_op("wan_sharding::xla_sharding_constraint", mutates_args=(), device_types=("xla",))
+    def xla_sharding_constraint(tensor: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:
+        import torch_xla.distributed.spmd as xs
+
+        out = tensor.clone()
+        xs.annotate_custom_sharding(out, _MESHES[mesh], ast.literal_eval(spec))
+        return out
+
+    @xla_sharding_constraint.register_fake
+    def _(tensor: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:
+        return tensor.clone()
 
 
 class XlaBackend(Backend):
@@ -39,6 +65,14 @@ class XlaBackend(Backend):
         enable_spmd()
         self.check_device_count(xr.global_runtime_device_count(), "torch-xla")
         return xs.Mesh(np.arange(mesh.num_devices), mesh.shape, mesh.axis_names)
+
+    def _mesh_for_dynamo(self) -> None:
+        """Name the backend's mesh for the constraint op dynamo traces (see
+        :func:`_register_constraint_op`); on the host, before the first compile."""
+        if getattr(self, "_mesh_name", None) is None:
+            _register_constraint_op()
+            self._mesh_name = f"mesh{len(_MESHES)}"
+            _MESHES[self._mesh_name] = self.native_mesh
 
     def _device_count_hint(self) -> str:
         return (
@@ -69,6 +103,11 @@ class XlaBackend(Backend):
 
         # A custom "Sharding" node (not an in-place annotation of the producer), so a replicated
         # constraint followed by a sharded one stays two separate constraints in the HLO.
+        if torch.compiler.is_compiling():  # a program compiled through dynamo (cached_programs)
+            if getattr(self, "_mesh_name", None) is None:
+                raise BackendError("the xla backend's SP hooks ran under a torch.compile it did not start; "
+                                   "run the model through backend.run / shard_pipeline (its lazy path)")
+            return torch.ops.wan_sharding.xla_sharding_constraint(tensor, self._mesh_name, repr(tuple(spec)))
         return xs.annotate_custom_sharding(tensor, self.native_mesh, spec).global_tensor
 
     def sdpa_composite(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -112,17 +151,51 @@ class XlaBackend(Backend):
         return probe.plan.forward(self.cached_programs(dit, probe.plan, args, kwargs), probe.stats)
 
     def cached_programs(self, dit: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> Any:
-        """How ``plan`` runs its programs here: each traced lazily and cut off with
-        ``torch_xla.sync()``, so each is one graph, compiled once and found again by graph hash
-        (and what it hands to the next program is materialised, not traced again there)."""
-        import torch_xla
+        """How ``plan`` runs its programs here: each through ``torch.compile(backend="openxla")``
+        (torch-xla's dynamo bridge), made once per model, program and signature of its inputs and
+        kept on the backend until ``release``. Dynamo traces the program once; every later call
+        runs the compiled XLA graph on the device values given, with no Python tracing of the
+        model (the lazy path traces the whole model's Python at every call, which here costs about
+        as much as running the blocks; see docs/caching.md)."""
+        programs = self.__dict__.setdefault("_cache_programs", {})
+        entry = programs.get(id(dit))
+        if entry is None or entry[0] is not dit or entry[1] is not plan:
+            # A cache enabled again is a new plan over new hooks: dynamo would trace each program
+            # again (its guards hold the hooks), so the last plan's programs are dropped, not kept
+            entry = programs[id(dit)] = (dit, plan, {})
+        signature = (input_signature(args), input_signature(kwargs))
+        self._mesh_for_dynamo()
+        self._replicate_inputs(args, kwargs)
 
         def run(name: str, extra: dict) -> dict:
-            out = plan.body(name, lambda: dit(*args, **kwargs, return_dict=False)[0], extra)
-            torch_xla.sync()
-            return out
+            key = (plan.key, name, signature, input_signature(extra))
+            compiled = entry[2].get(key)
+            if compiled is None:
+                compiled = entry[2][key] = compiled_cache_program(plan, name, dit, "openxla")
+            return compiled(args, kwargs, extra)
 
         return run
+
+    def _replicate_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Mark the forward's inputs replicated where they carry no sharding yet. torch-xla's
+        dynamo bridge compares its inputs' shardings with those it traced with and traces the
+        program again when they differ; a fresh input (the scheduler's latents) has none, while
+        the same tensor after a compiled call reads replicated, so unmarked inputs made every
+        call a new trace (measured: MagCache's ``full`` program, ~100-220 ms of host time per
+        call instead of a few ms)."""
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
+        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        for t, spec in zip(tensors, torch_xla._XLAC._get_xla_sharding_specs(tensors)):
+            if not spec:
+                xs.mark_sharding(t, self.native_mesh, (None,) * t.ndim)
+
+    def release(self, dit: torch.nn.Module) -> None:
+        """Forget ``dit``'s compiled cache programs (their graphs hold its device weights)."""
+        entry = self.__dict__.get("_cache_programs", {}).get(id(dit))
+        if entry is not None and entry[0] is dit:
+            del self._cache_programs[id(dit)]
 
     def to_host(self, out: Any) -> torch.Tensor:
         return out.cpu()

@@ -6,7 +6,9 @@ sharded run against the unsharded run with the same cache; the drift against the
 without a cache (latents, and PSNR of the decoded frames); with ``timing``, warm time per video
 cached and uncached, measured interleaved in the same process (uncached, cached, uncached, ...)
 ``repeats`` times, medians and spread, and the host time a cached forward spends outside its
-compiled programs.
+compiled programs. The cache stays enabled across its warm runs (the uncached ones run on a twin
+pipeline), as a user keeps it: enabling it again makes new hooks, and the xla and tt backends'
+dynamo-compiled programs are traced again for them.
 """
 
 from __future__ import annotations
@@ -42,18 +44,27 @@ def _spread(samples: list[float]) -> float:
     return (max(samples) - min(samples)) / statistics.median(samples)
 
 
-def host_overhead(pipe: Any) -> dict[str, Any] | None:
-    """Over the experts whose cache runs as programs: cached forwards, programs per forward and the
-    host seconds per forward outside the programs (``None`` when no expert's cache does)."""
+def _plan_timing(pipe: Any) -> tuple[int, float, int] | None:
+    """Summed over the experts whose cache runs as programs: (cached forwards, host seconds outside
+    the programs, program calls) so far; ``None`` when no expert's cache does."""
     from . import model_cache_probe
     from .wan import pipeline_experts
 
     plans = [p.plan for _, _, dit in pipeline_experts(pipe) if (p := model_cache_probe(dit)) is not None and p.plan]
     if not plans:
         return None
-    forwards = sum(p.timing.forwards for p in plans)
-    host = sum(p.timing.total_s - p.timing.programs_s for p in plans)
-    calls = sum(p.timing.program_calls for p in plans)
+    return (sum(p.timing.forwards for p in plans), sum(p.timing.total_s - p.timing.programs_s for p in plans),
+            sum(p.timing.program_calls for p in plans))
+
+
+def host_overhead(pipe: Any, since: tuple[int, float, int] | None = None) -> dict[str, Any] | None:
+    """Over the experts whose cache runs as programs, since ``since`` (a :func:`_plan_timing`):
+    cached forwards, programs per forward and the host seconds per forward outside the programs
+    (``None`` when no expert's cache does)."""
+    now = _plan_timing(pipe)
+    if now is None:
+        return None
+    forwards, host, calls = (a - b for a, b in zip(now, since or (0, 0.0, 0)))
     return {"forwards": forwards, "programs_per_forward": round(calls / max(forwards, 1), 3),
             "host_overhead_s": round(host / max(forwards, 1), 6)}
 
@@ -98,45 +109,57 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
     from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
     from . import calibrate_pipeline_mag_ratios, disable_pipeline_cache, enable_pipeline_cache, pipeline_cache_stats
 
-    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]), blocks=p.get("blocks"))
+    build = lambda: build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]),  # noqa: E731
+                                        blocks=p.get("blocks"))
+    pipe = build()
     run = lambda: pipe(**call_kwargs(pipe, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
 
-    def timed() -> tuple[Any, float]:
+    def timed(f: Any = run) -> tuple[Any, float]:
         t = time.perf_counter()
-        out = run()
+        out = f()
         return out, time.perf_counter() - t
-
-    def cached(cache: str, ratios: Any) -> tuple[Any, float, dict, Any]:
-        enable_pipeline_cache(pipe, cache, p["steps"], mag_ratios=ratios)
-        try:
-            out, seconds = timed()
-            return out, seconds, pipeline_cache_stats(pipe), host_overhead(pipe)
-        finally:
-            disable_pipeline_cache(pipe)
 
     references = {}
     for cache in p["caches"]:  # unsharded, with the same cache: what the sharded run must match
         ratios = calibrate_pipeline_mag_ratios(pipe, run, p["steps"]) if cache == "mag" else None
-        out, _, stats, _ = cached(cache, ratios)
-        references[cache] = (ratios, out, stats)
+        enable_pipeline_cache(pipe, cache, p["steps"], mag_ratios=ratios)
+        try:
+            references[cache] = (ratios, run(), pipeline_cache_stats(pipe))
+        finally:
+            disable_pipeline_cache(pipe)
     repeats = p.get("repeats", 3) if p["timing"] else 0
     for mesh in p["meshes"]:
         handle = shard_pipeline(pipe, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
+        twin_handle = None
         try:
             uncached, first = timed()
             frames = decode_frames(pipe, uncached) if p["timing"] else None
             share = blocks_share(p, mesh, run, len(pipe.transformer.dit.blocks)) if p["timing"] else {}
+            if repeats:
+                # The uncached warm runs go to a twin (the same pipeline, built and sharded alike),
+                # so the cache stays enabled across the cached ones, as a user runs it: enabling a
+                # cache again makes new hooks, whose programs dynamo (xla, tt) traces again.
+                twin = build()
+                twin.set_progress_bar_config(disable=True)
+                twin_handle = shard_pipeline(twin, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
+                run_twin = lambda: twin(**call_kwargs(twin, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
+                run_twin()
             for cache in p["caches"]:
                 ratios, reference, reference_stats = references[cache]
                 calls_before = {e.name: e.wrapper.calls for e in handle.experts}
-                out, cached_first, stats, _ = cached(cache, ratios)
-                forwards = sum(e.wrapper.calls - calls_before[e.name] for e in handle.experts)
-                warm_u, warm_c, host = [], [], []
-                for _ in range(repeats):  # interleaved, so both see the same load on the host
-                    warm_u.append(timed()[1])
-                    _, seconds, _, overhead = cached(cache, ratios)
-                    warm_c.append(seconds)
-                    host.append(overhead)
+                enable_pipeline_cache(pipe, cache, p["steps"], mag_ratios=ratios)
+                try:
+                    out, cached_first = timed()
+                    stats = pipeline_cache_stats(pipe)
+                    forwards = sum(e.wrapper.calls - calls_before[e.name] for e in handle.experts)
+                    warm_u, warm_c, host = [], [], []
+                    for _ in range(repeats):  # interleaved, so both see the same load on the host
+                        warm_u.append(timed(run_twin)[1])
+                        since = _plan_timing(pipe)
+                        warm_c.append(timed()[1])
+                        host.append(host_overhead(pipe, since))
+                finally:
+                    disable_pipeline_cache(pipe)
                 _, max_abs = compare(reference, out)
                 drift_pcc, drift = compare(uncached, out)
                 calls = sum(e["calls"] for e in stats.values())
@@ -174,3 +197,5 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
                 emit(result)
         finally:
             handle.remove()
+            if twin_handle is not None:
+                twin_handle.remove()

@@ -89,6 +89,9 @@ class BlockPlan:
         # looked up at every forward (each program call on a lazy backend): walked once, here
         self._modules = {name: module for name, module in dit.named_modules() if name in self.blocks}
         self._meta = TransformerBlockRegistry.get(type(self._modules[self.blocks[0]]))
+        # diffusers finds hidden_states' position with inspect.signature on first use and keeps it:
+        # found here, so no program traced by dynamo meets the inspect call (a graph break there)
+        self._meta._get_parameter_from_args_kwargs("hidden_states", (None,), {})
         self.trace: Trace | None = None
         self.below: dict[str, Callable] = {}  # set by install_probe: block -> the forward under its cache hook
         self.timing = ForwardTiming()
@@ -129,11 +132,17 @@ class BlockPlan:
 
     def body(self, program: str, forward: Callable[[], Any], extra: dict) -> dict:
         """The outputs of ``program``: ``forward()`` runs the model's forward (in the backend's
-        tracing context) while the inner hooks replace and record as this program needs."""
+        tracing context) while the inner hooks replace and record as this program needs. Called
+        inside :meth:`stepped_over` (which :meth:`forward` holds around each program it runs).
+        Nothing here breaks a dynamo graph: a backend that compiles the program with
+        ``torch.compile`` gets it as one graph."""
         first, last = self.blocks[0], self.blocks[-1]
         trace = self._trace(program, extra)
-        with self.tracing(trace):
+        self.trace = trace
+        try:
             out = forward()
+        finally:
+            self.trace = None
         rec = trace.recorded
         if (self.kind, program) == ("fbc", "head"):
             h_in, h0 = rec[first]
@@ -150,18 +159,18 @@ class BlockPlan:
         return {"out": out}
 
     @contextlib.contextmanager
-    def tracing(self, trace: Trace) -> Iterator[None]:
-        """Set ``trace`` for the inner hooks and step over the cache hooks of the blocks: each
-        block's ``forward`` is, for the trace, the one its cache hook wraps (restored after)."""
+    def stepped_over(self) -> Iterator[None]:
+        """Step over the cache hooks of the blocks while a program runs: each block's ``forward``
+        is the one its cache hook wraps (restored after). On the host, around the backend's call,
+        not inside the traced program: a compiled program then sees the same ``forward`` objects
+        at every call (what dynamo guards on) and no module is changed inside its graph."""
         modules = self._modules
         saved = {name: modules[name].__dict__.get("forward") for name in self.blocks}
-        self.trace = trace
         try:
             for name in self.blocks:
                 modules[name].forward = self.below[name]
             yield
         finally:
-            self.trace = None
             for name, fwd in saved.items():
                 if fwd is None:
                     modules[name].__dict__.pop("forward", None)
@@ -178,11 +187,12 @@ class BlockPlan:
 
         def timed(program: str, extra: dict, read: str | None = None) -> Any:
             nonlocal in_programs
-            t = time.perf_counter()
-            out = run(program, extra)
-            if read is not None:  # the one scalar the host needs: waiting for it is program time
-                out = (out, float(out[read]))
-            in_programs += time.perf_counter() - t
+            with self.stepped_over():  # host time, outside the program
+                t = time.perf_counter()
+                out = run(program, extra)
+                if read is not None:  # the one scalar the host needs: waiting for it is program time
+                    out = (out, float(out[read]))
+                in_programs += time.perf_counter() - t
             self.timing.program_calls += 1
             return out
 
