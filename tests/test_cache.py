@@ -121,6 +121,8 @@ def test_sharded_cache_matches_unsharded_cache(runs, backend, mesh, kind):
     # the cache changed the result (it really skipped work), by a cache's drift, not a sharding error
     assert r["drift_max_abs"] > 10 * r["max_abs_vs_unsharded_cached"], r
     assert r["forwards"] == 2 * STEPS  # cond + uncond per step: a cache skips inside the forward
+    # every kind runs as whole programs: FirstBlockCache its head and one of rest / reuse, the others one
+    assert r["programs_per_forward"] == (2 if kind == "fbc" else 1), r
 
 
 def test_stand_in_cache_api(runs):

@@ -129,7 +129,7 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
             for cache in p["caches"]:
                 ratios, reference, reference_stats = references[cache]
                 calls_before = {e.name: e.wrapper.calls for e in handle.experts}
-                out, cached_first, stats, _ = cached(cache, ratios)
+                out, cached_first, stats, programs = cached(cache, ratios)
                 forwards = sum(e.wrapper.calls - calls_before[e.name] for e in handle.experts)
                 warm_u, warm_c, host = [], [], []
                 for _ in range(repeats):  # interleaved, so both see the same load on the host
@@ -151,6 +151,7 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
                     == {n: e["decisions"] for n, e in reference_stats.items()},
                     "max_abs_vs_unsharded_cached": max_abs, "drift_max_abs": drift, "drift_pcc": drift_pcc,
                     "first_seconds": round(cached_first, 3), "uncached_first_seconds": round(first, 3),
+                    "programs_per_forward": None if programs is None else programs["programs_per_forward"],
                 }
                 if p["timing"]:
                     mc, mu = statistics.median(warm_c), statistics.median(warm_u)
