@@ -212,12 +212,16 @@ class ModulePlan(BlockPlan):
         from diffusers.hooks.pyramid_attention_broadcast import _PYRAMID_ATTENTION_BROADCAST_HOOK
 
         hooks = {name: self._hook(name, _PYRAMID_ATTENTION_BROADCAST_HOOK) for name in self.blocks}
-        modes = {}
+        modes, in_range = {}, {}
         for name, hook in hooks.items():
-            # PyramidAttentionBroadcastHook.new_forward's decision (diffusers 0.42), on its state, unchanged
-            state = hook.state
-            is_within_timestep_range = hook.timestep_skip_range[0] < hook.current_timestep_callback() \
-                < hook.timestep_skip_range[1]
+            # PyramidAttentionBroadcastHook.new_forward's decision (diffusers 0.42), on its state. The
+            # range test is made once per callback and range: the pipeline's timestep is one value
+            # for the whole forward (each a tensor comparison on the host, 32 modules at 16 blocks).
+            state, key = hook.state, (id(hook.current_timestep_callback), tuple(hook.timestep_skip_range))
+            if key not in in_range:
+                in_range[key] = bool(hook.timestep_skip_range[0] < hook.current_timestep_callback()
+                                     < hook.timestep_skip_range[1])
+            is_within_timestep_range = in_range[key]
             compute = (state.cache is None or state.iteration == 0 or not is_within_timestep_range
                        or state.iteration % hook.block_skip_range == 0)
             modes[name] = "compute" if compute else "reuse"
