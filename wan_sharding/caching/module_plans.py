@@ -30,15 +30,16 @@ hooked module (the inner one's counter only moves when the outer one computes), 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from .programs import BlockPlan, ForwardTiming, ProgramRunner, Trace
+from .programs import ForwardTiming, ProgramRunner, Trace
 
 # Per model: the output dtypes ``TaylorSeerState.update`` recorded for each module when an update
 # program was traced. A program is kept per model across enable/disable (the backends' caches), so
@@ -91,10 +92,11 @@ def _taylor_predict() -> Callable:
     return inspect.unwrap(TaylorSeerState.predict)
 
 
-class ModulePlan(BlockPlan):
+class ModulePlan:
     """How one DiT's per-module cache runs as one program per forward (see the module docstring).
     The backends run it through the same interface as a :class:`~.programs.BlockPlan`
-    (``key``, ``body``, ``skipped_modules``, ``forward``); ``blocks`` are the hooked modules."""
+    (``key``, ``body``, ``skipped_modules``, ``forward``), and the probe's inner hooks read the
+    same attributes (``trace``, ``blocks``: here the hooked modules, ``hidden_states``)."""
 
     def __init__(self, dit: torch.nn.Module, kind: str, hooked: list[str]):
         wanted = set(hooked)
@@ -106,8 +108,21 @@ class ModulePlan(BlockPlan):
         self.timing = ForwardTiming()
         self._modes: dict[str, dict[str, str]] = {}  # program name -> each module's mode
 
+    @property
+    def key(self) -> tuple:
+        """What a compiled program of this plan depends on besides the inputs (and its name)."""
+        return (self.kind, tuple(self.blocks))
+
     def hidden_states(self, args: tuple, kwargs: dict) -> Any:
         return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+    def _hook(self, module: str, name: str) -> Any:
+        return self._modules[module]._diffusers_hook.get_hook(name)
+
+    def skipped_modules(self, program: str, extra: dict) -> tuple[str, ...]:
+        """The hooked modules ``program`` does not run (their outputs predicted or given): a backend
+        need not pass their weights to it."""
+        return tuple(self._trace(program, extra).replace)
 
     # ------------------------------------------------------------------ inside a traced program
 
@@ -151,8 +166,11 @@ class ModulePlan(BlockPlan):
         """The outputs of ``program``: the model's output, and the computed modules' new cache
         values (PAB: their outputs; TaylorSeer: their new Taylor factors)."""
         trace = self._trace(program, extra)
-        with self.tracing(trace):
+        self.trace = trace  # for the inner hooks; the cache hooks are stepped over by forward()
+        try:
             out = forward()
+        finally:
+            self.trace = None
         missing = [n for n in trace.record if n not in trace.recorded]
         if missing:  # the decisions were taken for every hooked module: each must run in the forward
             raise RuntimeError(f"{missing[0]} did not run in the forward its {self.kind} decision was taken for")
@@ -169,9 +187,10 @@ class ModulePlan(BlockPlan):
         modes, extra, finish = self._taylorseer() if self.kind == "taylorseer" else self._pab()
         name = program_name(modes)
         self._modes[name] = modes
-        t = time.perf_counter()
-        out = run(name, extra)
-        in_program = time.perf_counter() - t
+        with self._stepped_over():
+            t = time.perf_counter()
+            out = run(name, extra)
+            in_program = time.perf_counter() - t
         finish(out)
         for module, mode in modes.items():
             done = mode in ("compute", "update") or mode.startswith("update/")
@@ -183,6 +202,23 @@ class ModulePlan(BlockPlan):
         timing.programs_s += in_program
         timing.total_s += time.perf_counter() - t0
         return out["out"]
+
+    @contextlib.contextmanager
+    def _stepped_over(self) -> Iterator[None]:
+        """Each hooked module's ``forward`` is, while a program runs, the one its cache hook wraps
+        (the probe's level): set on the host around the backend's call, not inside the traced
+        program, so a compiled program sees the same objects at every call (dynamo guards on them)."""
+        saved = {name: module.__dict__.get("forward") for name, module in self._modules.items()}
+        try:
+            for name, module in self._modules.items():
+                module.forward = self.below[name]
+            yield
+        finally:
+            for name, module in self._modules.items():
+                if saved[name] is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = saved[name]
 
     def _taylorseer(self) -> tuple[dict[str, str], dict, Callable[[dict], None]]:
         from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
