@@ -121,6 +121,8 @@ def test_sharded_cache_matches_unsharded_cache(runs, backend, mesh, kind):
     # the cache changed the result (it really skipped work), by a cache's drift, not a sharding error
     assert r["drift_max_abs"] > 10 * r["max_abs_vs_unsharded_cached"], r
     assert r["forwards"] == 2 * STEPS  # cond + uncond per step: a cache skips inside the forward
+    # every kind runs as whole programs: FirstBlockCache its head and one of rest / reuse, the others one
+    assert r["programs_per_forward"] == (2 if kind == "fbc" else 1), r
 
 
 def test_stand_in_cache_api(runs):
@@ -230,3 +232,41 @@ def test_a_cache_the_backend_cannot_run_is_refused_before_anything_changes():
     with pytest.raises(ShardingError, match="torchax cannot lower"):
         model.enable_cache(SeaCacheConfig())
     assert not dit.is_cache_enabled and not hasattr(dit.blocks[0], "_diffusers_hook")
+
+
+@pytest.mark.parametrize("kind", ["taylorseer", "pab"])
+def test_module_plan_runs_a_mixed_decision_pattern_as_the_hooks_do(kind):
+    """A per-module cache's plan, run eagerly (each program the model's forward, as the lazy backends
+    trace it), against the same cache hook by hook: one module's counter is put out of step with the
+    others on both models, so some forwards decide differently per block. Each such pattern is a
+    program of its own; the decisions and outputs are the hooks'."""
+    dit, reference = _dit(), _dit()
+    config = lambda: wan_cache_config(kind, 6, timestep=lambda: 500)  # noqa: E731
+    probe, ref_probe = install_probe(dit, config(), programs=True), install_probe(reference, config())
+    plan = probe.plan
+    assert type(plan).__name__ == "ModulePlan"
+    inputs = dit_inputs("t2v-a14b", LatentShape(2, 4, 6))
+    names = []
+
+    def run(name: str, extra: dict) -> dict:
+        names.append(name)
+        return plan.body(name, lambda: dit(**inputs, return_dict=False)[0], extra)
+
+    for step in range(8):
+        inputs["timestep"] = torch.tensor([900.0 - 100 * step])
+        with dit.cache_context("cond", step_index=step), reference.cache_context("cond", step_index=step):
+            if step == 1:  # blocks.1.attn1 one call ahead of the rest, on both models
+                for model in (dit, reference):
+                    hook = model.blocks[1].attn1._diffusers_hook.hooks["taylorseer_cache" if kind == "taylorseer"
+                                                                         else "pyramid_attention_broadcast"]
+                    if kind == "taylorseer":
+                        hook.state_manager.get_state().current_step += 1
+                    else:
+                        hook.state.iteration += 1
+            out = plan.forward(run, probe.stats)
+            ref = reference(**inputs, return_dict=False)[0]
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert probe.stats.decisions == ref_probe.stats.decisions and probe.stats.skipped() > 0
+    assert any("blocks.1.attn1:" in name for name in names), names  # a per-module pattern ran
+    probe.remove(keep_cache=False)
+    ref_probe.remove(keep_cache=False)

@@ -216,12 +216,13 @@ def models(n: int) -> dict:
 
 
 def cached(preset: str) -> dict:
-    """A block cache's forwards (FirstBlockCache, MagCache) on the ``tt`` backend (the counting
-    stand-in) and on the ``xla`` backend (torch-xla's real ``openxla`` dynamo backend): per kind,
-    the dynamo graphs compiled and the graph breaks over four forwards (after the first three,
-    which reach every program, and at the end), the programs the backend compiled, the decisions
-    and outputs against the unsharded model with the same cache; for FirstBlockCache, then the
-    cache enabled again (new hooks): its programs compiled afresh, the outputs still the same."""
+    """A cache's forwards (each kind: FirstBlockCache, MagCache, TaylorSeer, PAB) on the ``tt``
+    backend (the counting stand-in) and on the ``xla`` backend (torch-xla's real ``openxla``
+    dynamo backend): per kind, the dynamo graphs compiled and the graph breaks (after the first
+    three forwards and at the end of 4, or 6 for the per-module caches, enough to reach every
+    program), the programs the backend compiled, the decisions and outputs against the unsharded
+    model with the same cache; for FirstBlockCache, then the cache enabled again (new hooks): its
+    programs compiled afresh, the outputs still the same."""
     from wan_sharding import apply_dit_sp_activation_sharding, shard_dit_specs
     from wan_sharding.backends.xla import XlaBackend
     from wan_sharding.caching import install_probe, wan_cache_config
@@ -233,11 +234,13 @@ def cached(preset: str) -> dict:
     # One compiled entry per code object: every program still compiles, since each has its own
     torch._dynamo.config.recompile_limit = 1
     out = {}
-    for name, kind in [(b, k) for b in ("tt", "xla") for k in ("fbc", "mag")]:
+    overrides = {"fbc": {"threshold": 1e9}, "mag": {"threshold": 1e9, "mag_ratios": [1.0] * 3},
+                 "taylorseer": {}, "pab": {"timestep": lambda: 500}}  # skip whenever they can
+    for name, kind in [(b, k) for b in ("tt", "xla") for k in overrides]:
         backend = _backend(preset) if name == "tt" else XlaBackend(mesh_from_preset(preset), native_mesh=MESH[0])
         # tt_torch turns dynamo's module inlining off; a stock torch-xla user has dynamo's default (on)
         with torch._dynamo.config.patch(inline_inbuilt_nn_modules=name != "tt"):
-            config = lambda: wan_cache_config(kind, 3, threshold=1e9, mag_ratios=[1.0] * 3)  # noqa: E731  (skip when it can)
+            config = lambda: wan_cache_config(kind, 3, **overrides[kind])  # noqa: E731
             dit, reference_dit = build_dit("t2v-a14b", num_layers=3), build_dit("t2v-a14b", num_layers=3)
             placed = backend.place(dit, shard_dit_specs(dit, backend.mesh))
             sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding="mask")
@@ -270,7 +273,9 @@ def cached(preset: str) -> dict:
 
             model.enable_cache(config())
             reference = install_probe(reference_dit, config())
-            forwards(4)  # fbc: compute (no statistic yet), then reuse; mag: compute, reuse, reuse, compute
+            # enough calls to reach every program: 6 for the per-module caches; fbc: compute (no
+            # statistic yet), then reuse; mag: compute, reuse, reuse, compute
+            forwards(6 if kind in ("taylorseer", "pab") else 4)
             r["programs"] = programs()
             r["decisions_match"] = model.cache_stats.decisions == reference.stats.decisions
             r["skipped"] = model.cache_stats.skipped()

@@ -199,10 +199,11 @@ class JaxBackend(Backend):
 
     def run_cached_device(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """One forward with the cache hooks live. A block cache (FirstBlockCache, MagCache) runs as
-        a few ``jax.jit`` programs cut at its decision (:meth:`cached_programs`); FirstBlockCache
-        reads one scalar back. Any other cache runs the model's own Python on the host over the
+        a few ``jax.jit`` programs cut at its decision, a per-module one (TaylorSeer, PAB) as one
+        program per decision pattern (:meth:`cached_programs`); FirstBlockCache reads one scalar
+        back, the others nothing. Any other cache runs the model's own Python on the host over the
         sharded arrays (torchax eager), with the pieces between the cache's decisions compiled
-        (:meth:`cache_unit_runner`); schedule-based caches (TaylorSeer, PAB) read nothing back."""
+        (:meth:`cache_unit_runner`)."""
         import torchax
 
         from ..caching import model_cache_probe
@@ -222,7 +223,7 @@ class JaxBackend(Backend):
 
     def cached_programs(self, dit: torch.nn.Module, placed: dict[str, Any], plan: Any, args: tuple,
                         kwargs: dict) -> Any:
-        """How ``plan`` (a :class:`~wan_sharding.caching.BlockPlan`) runs its programs for these
+        """How ``plan`` (a :class:`~wan_sharding.caching.BlockPlan` or ``ModulePlan``) runs its programs for these
         inputs: each program a ``jax.jit`` of the whole forward (weights and inputs as arguments,
         so nothing is baked in), made once per model, plan, program, input signature and the
         structure of what the previous program handed over; kept across enable/disable."""

@@ -275,8 +275,9 @@ class TTBackend(XlaBackend):
 
     def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """A forward with diffusers' cache hooks live. A block cache (FirstBlockCache, MagCache)
-        runs as its few programs, each through ``torch.compile(backend="tt")`` once per signature
-        (:meth:`cached_programs`), so every cached forward keeps trace replay. Any other cache runs
+        or a per-module one (TaylorSeer, PAB) runs as its few programs, each through
+        ``torch.compile(backend="tt")`` once per signature (:meth:`cached_programs`), so every
+        cached forward keeps trace replay. Any other cache runs
         lazily, as on the ``xla`` backend: the hooks' decisions cut the lazy graph, and each piece
         between them is compiled once by the TT plugin and reused by graph hash."""
         from ..caching import model_cache_probe

@@ -139,9 +139,9 @@ class XlaBackend(Backend):
         return dit(*args, **kwargs, return_dict=False)[0]
 
     def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """One forward with the cache hooks live. A block cache (FirstBlockCache, MagCache) runs as
-        its few programs (:meth:`cached_programs`); any other cache runs lazily like any forward,
-        its decisions cutting the lazy graph."""
+        """One forward with the cache hooks live. A block cache (FirstBlockCache, MagCache) or a
+        per-module one (TaylorSeer, PAB) runs as its few programs (:meth:`cached_programs`); any
+        other cache runs lazily like any forward, its decisions cutting the lazy graph."""
         from ..caching import model_cache_probe
 
         probe = model_cache_probe(dit)

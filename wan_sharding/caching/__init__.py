@@ -5,9 +5,10 @@ MagCache, TaylorSeer, Pyramid Attention Broadcast, FasterCache. They decide *on 
 forward* whether to run a block or an attention module. A backend that compiles whole forwards
 (``jax``) runs a model's Python only while tracing, so there a cache would decide once and then
 skip nothing. This package therefore runs a block cache's forward (FirstBlockCache, MagCache) as
-two or three whole programs cut at the cache's one decision (:mod:`.programs`), and a per-module
-cache's (TaylorSeer, PAB) as host Python between compiled pieces (:mod:`.probes`); it counts what
-each cache computed and skipped on every backend.
+two or three whole programs cut at the cache's one decision (:mod:`.programs`), a per-module
+cache's (TaylorSeer, PAB) as one whole program per decision pattern, decided on the host before
+the forward (:mod:`.module_plans`), and any other cache as host Python between compiled pieces
+(:mod:`.probes`); it counts what each cache computed and skipped on every backend.
 
 - :func:`enable_model_cache` / :func:`disable_model_cache`: what a sharded pipeline's stand-in
   (``pipe.transformer.enable_cache(...)``) calls; usable on an unsharded model too, to get the same
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .module_plans import ModulePlan, module_cache_kind
 from .programs import BlockPlan, ForwardTiming, block_cache_kind
 from .probes import (
     CacheProbe,
@@ -94,7 +96,7 @@ from .wan import (  # noqa: E402  (uses the functions above)
 
 __all__ = [
     "BlockPlan", "CACHE_KINDS", "CacheProbe", "ForwardTiming", "block_cache_kind", "CacheStats", "cache_hooked_modules", "calibrate_mag_ratios", "calibrate_pipeline_mag_ratios",
-    "compiled_units",
+    "compiled_units", "ModulePlan", "module_cache_kind",
     "disable_model_cache", "disable_pipeline_cache", "enable_model_cache", "enable_pipeline_cache", "expert_steps",
     "install_probe", "model_cache_probe", "model_cache_stats", "pipeline_cache_stats", "release_model_cache",
     "reset_pipeline_cache", "wan_cache_config", "zero_padding_rows",

@@ -150,7 +150,7 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
                 enable_pipeline_cache(pipe, cache, p["steps"], mag_ratios=ratios)
                 try:
                     out, cached_first = timed()
-                    stats = pipeline_cache_stats(pipe)
+                    stats, programs = pipeline_cache_stats(pipe), host_overhead(pipe)
                     forwards = sum(e.wrapper.calls - calls_before[e.name] for e in handle.experts)
                     warm_u, warm_c, host = [], [], []
                     for _ in range(repeats):  # interleaved, so both see the same load on the host
@@ -174,6 +174,7 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
                     == {n: e["decisions"] for n, e in reference_stats.items()},
                     "max_abs_vs_unsharded_cached": max_abs, "drift_max_abs": drift, "drift_pcc": drift_pcc,
                     "first_seconds": round(cached_first, 3), "uncached_first_seconds": round(first, 3),
+                    "programs_per_forward": None if programs is None else programs["programs_per_forward"],
                 }
                 if p["timing"]:
                     mc, mu = statistics.median(warm_c), statistics.median(warm_u)

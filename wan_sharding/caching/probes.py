@@ -11,9 +11,10 @@ same module, so it sees exactly the calls the cache lets through:
 - with a ``unit_runner`` (the ``jax`` backend), the inner hook also runs the module's own forward as
   one compiled piece. Every other module whose subtree holds no cache hook runs as a compiled piece
   too, so only the code between the cache's decisions runs op by op on the host;
-- with a block plan (:mod:`.programs`, FirstBlockCache and MagCache on a backend with cache
-  programs), the inner hooks of the blocks and of the modules before them replace or record
-  outputs while the plan traces one of its whole-forward programs, and the plan counts the calls.
+- with a plan (on a backend with cache programs: :mod:`.programs` for FirstBlockCache and MagCache,
+  :mod:`.module_plans` for TaylorSeer and PAB), the inner hooks of the hooked modules (and of the
+  modules before the blocks) replace or record outputs while the plan traces one of its
+  whole-forward programs, and the plan counts the calls.
 
 To sit under the cache hooks, the probe's hooks must be registered first. :func:`install_probe`
 therefore applies the config once to find the modules it hooks, takes it off, registers the inner
@@ -28,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from .module_plans import ModulePlan, module_plan
 from .programs import BlockPlan, block_cache_kind, root_prefix
 
 INNER_HOOK = "wan_sharding_cache_probe"
@@ -131,7 +133,8 @@ class CacheProbe:
     stats: CacheStats
     hooked: list[str]
     units: list[str]
-    plan: BlockPlan | None = None  # a block cache run as whole programs (.programs)
+    plan: BlockPlan | ModulePlan | None = None  # the cache run as whole programs (.programs, .module_plans)
+    programs: bool = False  # installed for a backend that runs caches as programs (install_probe's)
     _inner: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _torch_hooks: list = field(default_factory=list, repr=False)
     removed: bool = False
@@ -160,8 +163,10 @@ def install_probe(dit: torch.nn.Module, config: Any, runner: UnitRunner | None =
     ``runner``: how a compiling backend runs one piece (see the module docstring); ``None`` runs the
     model as it is (eager or lazy backends, the unsharded model). ``count``: keep :class:`CacheStats`.
     ``post``: applied to each cache-hooked module's output before its cache hook sees it.
-    ``programs``: a block cache (FirstBlockCache, MagCache) gets a :class:`~.programs.BlockPlan`
-    (``probe.plan``), which the backend runs as a few whole programs instead of ``runner``'s pieces.
+    ``programs``: a block cache (FirstBlockCache, MagCache) gets a :class:`~.programs.BlockPlan`,
+    a per-module one (TaylorSeer, PAB) a :class:`~.module_plans.ModulePlan` (``probe.plan``), which
+    the backend runs as a few whole programs instead of ``runner``'s pieces (``None`` where
+    :func:`~.module_plans.module_plan_refusal` says why not: then ``runner``'s pieces).
     Raises what diffusers raises for an unsupported config or a cache already enabled.
     """
     if dit.is_cache_enabled:
@@ -178,9 +183,11 @@ def install_probe(dit: torch.nn.Module, config: Any, runner: UnitRunner | None =
         )
     kind = block_cache_kind(config) if programs else None
     plan = BlockPlan(dit, kind, hooked, root_prefix(dit)) if kind is not None else None
+    if programs and plan is None:  # TaylorSeer, PAB: one program per decision pattern (.module_plans)
+        plan = module_plan(dit, config, hooked)
     units = compiled_units(dit, set(hooked)) if runner is not None and plan is None else []
     stats = CacheStats()
-    probe = CacheProbe(dit, config, stats, hooked, units, plan)
+    probe = CacheProbe(dit, config, stats, hooked, units, plan, programs)
     modules = dict(dit.named_modules())
     InnerHook = _inner_hook_class()
     from diffusers.hooks.hooks import HookRegistry

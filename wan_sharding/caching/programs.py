@@ -158,24 +158,9 @@ class BlockPlan:
             return {"out": out, "residual": rec[last][1] - rec[first][0]}
         return {"out": out}
 
-    @contextlib.contextmanager
-    def stepped_over(self) -> Iterator[None]:
-        """Step over the cache hooks of the blocks while a program runs: each block's ``forward``
-        is the one its cache hook wraps (restored after). On the host, around the backend's call,
-        not inside the traced program: a compiled program then sees the same ``forward`` objects
-        at every call (what dynamo guards on) and no module is changed inside its graph."""
-        modules = self._modules
-        saved = {name: modules[name].__dict__.get("forward") for name in self.blocks}
-        try:
-            for name in self.blocks:
-                modules[name].forward = self.below[name]
-            yield
-        finally:
-            for name, fwd in saved.items():
-                if fwd is None:
-                    modules[name].__dict__.pop("forward", None)
-                else:
-                    modules[name].forward = fwd
+    def stepped_over(self) -> contextlib.AbstractContextManager[None]:
+        """The blocks' cache hooks stepped over while a program runs (:func:`stepped_over`)."""
+        return stepped_over(self._modules, self.below)
 
     # ------------------------------------------------------------------ on the host, per forward
 
@@ -250,6 +235,26 @@ class BlockPlan:
             out = run("reuse", {"residual": state.previous_residual})
         tail._advance_step(state)
         return out["out"], [compute] * len(self.blocks)
+
+
+@contextlib.contextmanager
+def stepped_over(modules: dict[str, torch.nn.Module], below: dict[str, Callable]) -> Iterator[None]:
+    """Step over the cache hooks of ``modules`` while a program runs: each one's ``forward`` is the
+    one its cache hook wraps (``below``, the probe's level), restored after. On the host, around
+    the backend's call, not inside the traced program: a compiled program then sees the same
+    ``forward`` objects at every call (what dynamo guards on) and no module is changed inside its
+    graph."""
+    saved = {name: module.__dict__.get("forward") for name, module in modules.items()}
+    try:
+        for name, module in modules.items():
+            module.forward = below[name]
+        yield
+    finally:
+        for name, module in modules.items():
+            if saved[name] is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = saved[name]
 
 
 def _mag_should_compute(state: Any, config: Any) -> bool:

@@ -140,14 +140,13 @@ class ShardedTransformer(torch.nn.Module):
     def _adopt_cache(self) -> None:
         """A cache enabled on the real model directly (or before sharding) gets this backend's probe,
         so it acts at every forward instead of only while a forward is traced."""
-        from ..caching import block_cache_kind, model_cache_probe
+        from ..caching import model_cache_probe
 
         probe = model_cache_probe(self.dit)
         # A backend that traces whole forwards needs the compiled pieces (cache_unit_runner) or
-        # programs; one with cache programs needs them for a block cache.
-        wants_plan = self._backend.cache_programs and block_cache_kind(self.dit._cache_config) is not None
+        # programs; one with cache programs needs a probe installed for them (its plan, if any).
         if probe is None or (self._backend.traces_whole_forward and not (probe.units or probe.plan)) \
-                or (wants_plan and probe.plan is None):
+                or (self._backend.cache_programs and not probe.programs):
             config = self.dit._cache_config
             if probe is not None:
                 probe.remove(keep_cache=False)
