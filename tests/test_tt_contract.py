@@ -484,11 +484,11 @@ def test_many_models_in_one_process_stay_compiled(dynamo_run):
     assert r["options"] == [WAN_TEST_OPTIONS]  # sent once, for every model
 
 
-@pytest.mark.parametrize("backend", ["tt", "xla"])
-@pytest.mark.parametrize("kind", list(CACHED_PROGRAMS))
+@pytest.mark.parametrize("backend, kind", [("tt", k) for k in CACHED_PROGRAMS] + [("xla", "fbc"), ("xla", "mag")])
 def test_a_cached_forward_is_one_graph_per_program(dynamo_run, backend, kind):
     """Each cache kind's forwards under real dynamo, in the same process: on ``tt`` with the stand-in
-    backend, on ``xla`` with torch-xla's own ``openxla`` backend. Each program is one graph (no
+    backend, on ``xla`` (the block caches: the programs it compiles through dynamo) with
+    torch-xla's own ``openxla`` backend. Each program is one graph (no
     graph break: a break would split a program into several graphs and, on tt, lose trace replay),
     compiled once (as many graphs as programs, with dynamo's recompile limit at 1: each program is
     a code object of its own; for the block caches, all after three forwards). The decisions and outputs

@@ -216,9 +216,9 @@ def models(n: int) -> dict:
 
 
 def cached(preset: str) -> dict:
-    """A cache's forwards (each kind: FirstBlockCache, MagCache, TaylorSeer, PAB) on the ``tt``
-    backend (the counting stand-in) and on the ``xla`` backend (torch-xla's real ``openxla``
-    dynamo backend): per kind, the dynamo graphs compiled and the graph breaks (after the first
+    """A cache's forwards on the ``tt`` backend (the counting stand-in; each kind: FirstBlockCache,
+    MagCache, TaylorSeer, PAB) and on the ``xla`` backend (torch-xla's real ``openxla`` dynamo
+    backend; the block caches, whose programs it compiles through dynamo): per kind, the dynamo graphs compiled and the graph breaks (after the first
     three forwards and at the end of 4, or 6 for the per-module caches, enough to reach every
     program), the programs the backend compiled, the decisions and outputs against the unsharded
     model with the same cache; for FirstBlockCache, then the cache enabled again (new hooks): its
@@ -236,7 +236,8 @@ def cached(preset: str) -> dict:
     out = {}
     overrides = {"fbc": {"threshold": 1e9}, "mag": {"threshold": 1e9, "mag_ratios": [1.0] * 3},
                  "taylorseer": {}, "pab": {"timestep": lambda: 500}}  # skip whenever they can
-    for name, kind in [(b, k) for b in ("tt", "xla") for k in overrides]:
+    # xla replays only the block caches' programs through dynamo (the per-module ones run lazily there)
+    for name, kind in [("tt", k) for k in overrides] + [("xla", "fbc"), ("xla", "mag")]:
         backend = _backend(preset) if name == "tt" else XlaBackend(mesh_from_preset(preset), native_mesh=MESH[0])
         # tt_torch turns dynamo's module inlining off; a stock torch-xla user has dynamo's default (on)
         with torch._dynamo.config.patch(inline_inbuilt_nn_modules=name != "tt"):
