@@ -193,7 +193,8 @@ def slice_bytes(shape: tuple[int, ...], index: Any, itemsize: int) -> int:
 
 
 def compiled_cache_program(plan: Any, name: str, dit: torch.nn.Module, backend: str) -> Callable[[tuple, dict, dict], dict]:
-    """A block plan's program ``name`` (:class:`~wan_sharding.caching.BlockPlan`) through
+    """A cache plan's program ``name`` (:class:`~wan_sharding.caching.BlockPlan` or
+    :class:`~wan_sharding.caching.ModulePlan`) through
     ``torch.compile(backend=backend, dynamic=False)``: called with the forward's inputs and what the
     plan hands over, it returns the program's outputs; one dynamo graph per program (the plan's
     body breaks none).

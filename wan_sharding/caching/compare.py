@@ -69,22 +69,28 @@ def host_overhead(pipe: Any, since: tuple[int, float, int] | None = None) -> dic
             "host_overhead_s": round(host / max(forwards, 1), 6)}
 
 
+def _sharded_tiny(p: dict[str, Any], mesh: str, blocks: int | None) -> tuple[Any, Any, Any]:
+    """The comparison's tiny pipeline (``blocks`` per expert; ``None``: ``p``'s), built afresh and
+    sharded on ``mesh``: (pipeline, its shard handle, a call running one video to latents)."""
+    from ..jobs.launch import mesh_arg
+    from ..options import torch_dtype
+    from ..pipeline import shard_pipeline
+    from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
+
+    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]), blocks=blocks)
+    pipe.set_progress_bar_config(disable=True)
+    handle = shard_pipeline(pipe, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
+    return pipe, handle, lambda: pipe(**call_kwargs(pipe, steps=p["steps"], seed=p["seed"]), output_type="latent").frames
+
+
 def blocks_share(p: dict[str, Any], mesh: str, run_n: Any, blocks: int) -> dict[str, Any]:
     """The share of an uncached video's warm time spent in the blocks: the same pipeline with one
     block per expert, sharded alike, timed interleaved with the ``blocks`` one; with
     ``T(n) = fixed + n * per_block``, the share is ``blocks * per_block / T(blocks)``. What the
     rest is: the embedders and output layers, the inputs' copy to the devices and the output's
     back, the dispatch, the pipeline's own loop (scheduler, CFG)."""
-    from ..jobs.launch import mesh_arg
-    from ..options import torch_dtype
-    from ..pipeline import shard_pipeline
-    from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
-
-    one = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]), blocks=1)
-    one.set_progress_bar_config(disable=True)
-    handle = shard_pipeline(one, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
+    _, handle, run_one = _sharded_tiny(p, mesh, blocks=1)
     try:
-        run_one = lambda: one(**call_kwargs(one, steps=p["steps"], seed=p["seed"]), output_type="latent")  # noqa: E731
         run_one()
         t_one, t_n = [], []
         for _ in range(max(p.get("repeats", 3), 3)):
@@ -116,9 +122,7 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
     from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
     from . import calibrate_pipeline_mag_ratios, disable_pipeline_cache, enable_pipeline_cache, pipeline_cache_stats
 
-    build = lambda: build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]),  # noqa: E731
-                                        blocks=p.get("blocks"))
-    pipe = build()
+    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]), blocks=p.get("blocks"))
     run = lambda: pipe(**call_kwargs(pipe, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
 
     def timed(f: Any = run) -> tuple[Any, float]:
@@ -137,7 +141,7 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
     repeats = p.get("repeats", 3) if p["timing"] else 0
     for mesh in p["meshes"]:
         handle = shard_pipeline(pipe, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
-        twin_handle = None
+        others: list[tuple[Any, Any]] = []  # the timing's other pipelines and their handles
         try:
             uncached, first = timed()
             frames = decode_frames(pipe, uncached) if p["timing"] else None
@@ -146,20 +150,16 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
                 # The uncached warm runs go to a twin (the same pipeline, built and sharded alike),
                 # so the cache stays enabled across the cached ones, as a user runs it: enabling a
                 # cache again makes new hooks, whose programs dynamo (xla, tt) traces again.
-                twin = build()
-                twin.set_progress_bar_config(disable=True)
-                twin_handle = shard_pipeline(twin, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
-                run_twin = lambda: twin(**call_kwargs(twin, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
+                twin, twin_handle, run_twin = _sharded_tiny(p, mesh, p.get("blocks"))
+                others.append((twin, twin_handle))
                 run_twin()
                 # A third, whose every forward is one compiled program of the cache path: MagCache
                 # that never skips (at most 0 skips in a row) runs its `full` program each time.
                 # On xla the uncached forward is traced lazily at every call while the cache's
                 # programs are compiled through dynamo; against this one a cache gains only what it skips.
-                whole = build()
-                whole.set_progress_bar_config(disable=True)
-                whole_handle = shard_pipeline(whole, mesh_arg(p["backend"], mesh), backend=p["backend"], padding=p["padding"])
+                whole, whole_handle, run_whole = _sharded_tiny(p, mesh, p.get("blocks"))
+                others.append((whole, whole_handle))
                 enable_pipeline_cache(whole, "mag", p["steps"], mag_ratios=_ones(whole, p["steps"]), max_skip_steps=0)
-                run_whole = lambda: whole(**call_kwargs(whole, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
                 run_whole()
                 whole_stats = pipeline_cache_stats(whole)
                 if any(e["skipped"] for e in whole_stats.values()):
@@ -172,8 +172,7 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
                     out, cached_first = timed()
                     stats, programs = pipeline_cache_stats(pipe), host_overhead(pipe)
                     forwards = sum(e.wrapper.calls - calls_before[e.name] for e in handle.experts)
-                    warm_u, warm_c, host = [], [], []
-                    warm_w = []
+                    warm_u, warm_w, warm_c, host = [], [], [], []
                     for _ in range(repeats):  # interleaved, so all see the same load on the host
                         warm_u.append(timed(run_twin)[1])
                         warm_w.append(timed(run_whole)[1])
@@ -223,6 +222,6 @@ def cache_comparison(p: dict[str, Any], emit: Any) -> None:
                 emit(result)
         finally:
             handle.remove()
-            if twin_handle is not None:
-                disable_pipeline_cache(whole)
-                twin_handle.remove(), whole_handle.remove()
+            for other, other_handle in others:
+                disable_pipeline_cache(other)  # a no-op for the twin, which has none
+                other_handle.remove()
