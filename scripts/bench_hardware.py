@@ -3,9 +3,14 @@
 T2V-A14B, 480p, 2 blocks (the per-block figures are the difference of the 1- and 2-block compiles),
 compiled with tt-mlir in compile-only mode for each composite set (``hardware``, ``sdpa``; see
 docs/compile-hardware.md), with and without the exact patches, on the torch-xla frontend (2x4, the
-lowering hardware compiles) and the torchax one (8x4). Printed per configuration: TTNN ops per
-block grouped by class (matmul/linear, norm, attention, elementwise, data movement, collectives,
-other), the composites that reached TTIR, the bill check, the options used and compile seconds.
+lowering hardware compiles) and the torchax one (8x4). Every argument is marked parameter /
+constant / input as tt-xla marks them (``wan_sharding.compile.marking``), so tt-mlir prepares weights
+once, in const-eval. Printed per configuration: the TTNN ops per block of the step's program grouped
+by class (matmul/linear, norm, attention, elementwise, data movement, collectives, other; their
+total is the report's ``runtime_ops_per_block``), the ops per block tt-mlir hoisted into const-eval
+(run once, at load), the composites that reached TTIR, the bill check, the options used and compile
+seconds. ``--unmarked`` adds each configuration with nothing marked (every argument an input: the
+package's compiles before), side by side.
 ``--level1`` adds Blackhole compiles at optimization level 1 (where tt-mlir keeps the fused SDPA);
 they take minutes each. ``--galaxies`` compiles only the multi-Galaxy views (torchax, 64 and 128
 chips, ``4x16-tt-metal`` / ``4x32-tt-metal``, both archs) with the hardware set and default options
@@ -17,6 +22,7 @@ Each run replaces the rows of the same label in the JSON and keeps the others.
     python scripts/bench_hardware.py                 # writes results/hardware.json
     python scripts/bench_hardware.py --only torchax --level1
     python scripts/bench_hardware.py --galaxies
+    python scripts/bench_hardware.py --composites hardware --unmarked   # marking's effect
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from wan_sharding.compile import CompileRequest, compile_reports, latent_for  # noqa: E402
-from wan_sharding.compile.ttnn_ir import COLLECTIVES  # noqa: E402
+from wan_sharding.compile.ttnn_ir import BOOKKEEPING_OPS, COLLECTIVES  # noqa: E402
 from wan_sharding.patches import EXACT_PATCHES  # noqa: E402
 from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
 
@@ -52,12 +58,12 @@ CLASSES = {
 }
 ELEMENTWISE = ("add", "multiply", "subtract", "divide", "gelu", "silu", "exp", "sin", "cos", "where", "neg",
                "sqrt", "pow", "reciprocal", "maximum", "minimum", "abs", "tanh", "sigmoid")
-SKIP = ("deallocate", "get_device", "empty", "write_tensor", "create_global_semaphore", "constant", "full",
-        "zeros", "ones", "begin_trace_capture", "end_trace_capture", "execute_trace", "capture_or_execute_trace")
+SKIP = BOOKKEEPING_OPS  # what the reports' runtime_ops_per_block leaves out too
 
 
 def op_classes(per_block_ops: dict[str, float]) -> dict[str, float]:
-    """Per-block TTNN op counts grouped by class (buffer/trace bookkeeping left out)."""
+    """Per-block TTNN op counts grouped by class (buffer/trace bookkeeping left out). Given the step's
+    program (``runtime_ops_per_block_by_op``), ``total`` is the report's ``runtime_ops_per_block``."""
     out = {k: 0.0 for k in [*CLASSES, "elementwise", "other"]}
     for name, n in per_block_ops.items():
         if name in SKIP:
@@ -72,7 +78,8 @@ def op_classes(per_block_ops: dict[str, float]) -> dict[str, float]:
 GALAXIES = ("4x16-tt-metal", "4x32-tt-metal")
 
 
-def configs(only: str | None, level1: bool, galaxies: bool = False) -> list[tuple[str, str, CompileRequest]]:
+def configs(only: str | None, level1: bool, galaxies: bool = False, composites: tuple[str, ...] = ("hardware", "sdpa"),
+            unmarked: bool = False) -> list[tuple[str, str, CompileRequest]]:
     lat = latent_for("480p")
     base = dict(variant="t2v-a14b", size="full", blocks=2, latent=lat, resolution="480p", padding="none")
     if galaxies:
@@ -83,12 +90,15 @@ def configs(only: str | None, level1: bool, galaxies: bool = False) -> list[tupl
     for frontend, mesh in (("torch-xla", "2x4"), ("torchax", "8x4")):
         if only and frontend != only:
             continue
-        for comp in ("hardware", "sdpa"):
+        for comp in composites:
             for patches in ((), EXACT_PATCHES):
                 if frontend == "torch-xla" and comp == "sdpa" and patches:
                     continue  # each torch-xla trace is ~45 s and ~8 GB: the four that tell the story
-                rows.append(("wormhole_b0", f"{frontend} {mesh} {comp}{' +patches' if patches else ''}",
-                             CompileRequest(mesh=mesh, frontend=frontend, composites=comp, patches=patches, **base)))
+                label = f"{frontend} {mesh} {comp}{' +patches' if patches else ''}"
+                for marked in (True, False) if unmarked else (True,):
+                    rows.append(("wormhole_b0", label + ("" if marked else " unmarked"),
+                                 CompileRequest(mesh=mesh, frontend=frontend, composites=comp, patches=patches,
+                                                mark_arguments=marked, **base)))
         if level1:
             rows.append(("blackhole", f"{frontend} {mesh} hardware level 1 (blackhole)",
                          CompileRequest(mesh=mesh, frontend=frontend, composites="hardware", **base)))
@@ -100,10 +110,14 @@ def row(label: str, arch: str, r: dict) -> dict:
            "mesh": r["mesh"], "composites": r["composites"], "patches": r["patches"],
            "composites_ttir": r.get("composites_ttir"), "options_used": r.get("options_used"), "notes": r.get("notes"),
            "bill_ok": r.get("bill_ok"), "bill_problems": r.get("bill_problems"),
+           "mark_arguments": r.get("mark_arguments"), "argument_types": r.get("argument_types"),
+           "runtime_ops_per_block": r.get("runtime_ops_per_block"),
+           "const_eval_ops_per_block": r.get("const_eval_ops_per_block"), "const_eval_ops": r.get("const_eval_ops"),
+           "runtime_ops_per_block_by_op": r.get("runtime_ops_per_block_by_op"),
            "per_block_totals": r.get("per_block_totals"), "compile_seconds": r.get("compile_seconds"),
            "base_compile_seconds": r.get("base_compile_seconds"), "trace_seconds": r.get("trace_seconds")}
     ops = r.get("per_block_ops") or {}
-    out["per_block_classes"] = op_classes(ops) if ops else None
+    out["per_block_classes"] = classes_of(out | {"per_block_ops": ops})
     out["per_block_ops"] = ops
     out["per_block_sdpa_fused"] = ops.get("scaled_dot_product_attention", 0)
     # large all-gathers per block and their axis: only K and V over SP belong there (none for a norm)
@@ -113,15 +127,23 @@ def row(label: str, arch: str, r: dict) -> dict:
     return out
 
 
+def classes_of(row: dict) -> dict | None:
+    """The row's per-block classes: of the step's program where the row has it (const-eval ops run
+    once, at load), else of every op (rows measured before the split; nothing was hoisted then)."""
+    ops = row.get("runtime_ops_per_block_by_op") or row.get("per_block_ops")
+    return op_classes(ops) if ops else None
+
+
 def markdown(rows: list[dict]) -> str:
-    head = ["configuration", "ops/block", *CLASSES, "elementwise", "other", "fused in TTIR", "bill", "level", "compile s"]
+    head = ["configuration", "ops/block", *CLASSES, "elementwise", "other", "const-eval/block", "fused in TTIR", "bill",
+            "level", "compile s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         c = r["per_block_classes"] or {}
         ttir = ", ".join(f"{k} {v}" for k, v in (r["composites_ttir"] or {}).items())
         lines.append("| " + " | ".join([
             r["label"], f"{c.get('total', '-')}", *[f"{c.get(k, '-')}" for k in [*CLASSES, "elementwise", "other"]],
-            ttir or "-", "ok" if r["bill_ok"] else ("FAILED" if not r["ok"] else "differs"),
+            f"{r.get('const_eval_ops_per_block', '-')}", ttir or "-", "ok" if r["bill_ok"] else ("FAILED" if not r["ok"] else "differs"),
             (r["options_used"] or {}).get("optimization_level", "-"), f"{r['compile_seconds']}"]) + " |")
     return "\n".join(lines)
 
@@ -131,19 +153,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["torch-xla", "torchax"], default=None)
     p.add_argument("--level1", action="store_true", help="also compile at optimization level 1 on Blackhole")
     p.add_argument("--galaxies", action="store_true", help="only the multi-Galaxy views (torchax, 64 and 128 chips)")
+    p.add_argument("--composites", default="hardware,sdpa", help="composite sets to compile (default hardware,sdpa)")
+    p.add_argument("--unmarked", action="store_true",
+                   help="also each configuration with no argument marked (every argument an input), side by side")
     p.add_argument("--out", default=str(ROOT / "results" / "hardware.json"))
     p.add_argument("--render", action="store_true", help="print the table of --out again (classes recomputed), no compile")
     args = p.parse_args(argv)
     if args.render:
         rows = json.loads(Path(args.out).read_text())["rows"]
         for r in rows:
-            r["per_block_classes"] = op_classes(r["per_block_ops"]) if r["per_block_ops"] else None
+            r["per_block_classes"] = classes_of(r)
         print(markdown(rows))
         return 0
     install_signal_handlers()
     rows = []
     t0 = time.time()
-    for arch, label, req in configs(args.only, args.level1, args.galaxies):
+    for arch, label, req in configs(args.only, args.level1, args.galaxies, tuple(args.composites.split(",")),
+                                    args.unmarked):
         print(f"compiling {label} ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="bench_hw_") as work:
             report = compile_reports([req], arch, timeout=7200, work_dir=work)[0]

@@ -39,8 +39,8 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 from wan_sharding.compile import compile_many, sysdesc  # noqa: E402
 from wan_sharding.mesh import PHYSICAL_AXIS_NAMES as N  # noqa: E402
 from wan_sharding.plan import ShardingPlan  # noqa: E402
-from wan_sharding.planner import (Workload, chip, estimate_from_results, fabric_for, plan_sharding,  # noqa: E402
-                                  requests_for)
+from wan_sharding.planner import Workload, chip, fabric_for, plan_sharding  # noqa: E402
+from wan_sharding.planner.compiled import estimate_from_results, requests_for  # noqa: E402
 from wan_sharding.planner.analytic import block_cost  # noqa: E402
 from wan_sharding.workers import atomic_write  # noqa: E402
 

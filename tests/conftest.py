@@ -18,6 +18,12 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {CPU_COMPIL
 os.environ.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# This process's JAX runs on the CPU: it need not load the Tenstorrent plugin, which unpacks its
+# runtime at every load (wan_sharding.backends.jax.keep_plugins_out_of_cpu_jax).
+from wan_sharding.backends.jax import keep_plugins_out_of_cpu_jax  # noqa: E402
+
+keep_plugins_out_of_cpu_jax()
+
 # A suite started in the background by a shell without job control inherits SIGINT ignored, and so
 # would every command the tests interrupt as Ctrl-C does (they would carry on and exit 0): restore
 # Ctrl-C, which the children then get as Python's default (a handler is not inherited across exec).

@@ -18,12 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wan_sharding.caching import (
-    CACHE_KINDS,
-    compiled_units,
-    install_probe,
-    wan_cache_config,
-)
+from wan_sharding.caching import CACHE_KINDS, wan_cache_config
+from wan_sharding.caching.probes import compiled_units, install_probe
 from wan_sharding.jobs.generate import cache_compare_in_subprocess
 from wan_sharding.jobs.launch import worker_env
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
@@ -38,7 +34,8 @@ API_SCRIPT = textwrap.dedent('''
     import json, torch
     from wan_sharding.pipeline import diffusers_without_torch_xla, shard_pipeline
     diffusers_without_torch_xla()
-    from wan_sharding.caching import model_cache_probe, model_cache_stats, wan_cache_config
+    from wan_sharding.caching import model_cache_stats, wan_cache_config
+    from wan_sharding.caching.model import model_cache_probe
     from wan_sharding.caching.probes import INNER_HOOK
     from wan_sharding.pipeline.tiny import build_tiny_pipeline, call_kwargs
 
@@ -55,7 +52,7 @@ API_SCRIPT = textwrap.dedent('''
     run()
     r["adopted_skipped"] = stand_in.cache_stats.skipped()
     # FirstBlockCache runs as whole programs, each compiled once (jax.jit), two per forward
-    plan = model_cache_probe(real).plan
+    plan = model_cache_probe(real).programs
     programs = stand_in.backend._program_cache[id(real)]
     r["programs"] = sorted(key[1] for key in programs)
     r["compiled_once"] = [f._cache_size() for f in programs.values()]
@@ -242,9 +239,9 @@ def test_module_plan_runs_a_mixed_decision_pattern_as_the_hooks_do(kind):
     program of its own; the decisions and outputs are the hooks'."""
     dit, reference = _dit(), _dit()
     config = lambda: wan_cache_config(kind, 6, timestep=lambda: 500)  # noqa: E731
-    probe, ref_probe = install_probe(dit, config(), programs=True), install_probe(reference, config())
-    plan = probe.plan
-    assert type(plan).__name__ == "ModulePlan"
+    probe, ref_probe = install_probe(dit, config(), as_programs=True), install_probe(reference, config())
+    plan = probe.programs
+    assert type(plan).__name__ == "ModulePrograms"
     inputs = dit_inputs("t2v-a14b", LatentShape(2, 4, 6))
     names = []
 

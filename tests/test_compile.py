@@ -20,9 +20,8 @@ import pytest
 
 from wan_sharding.cli.compile import add_subcommands
 from wan_sharding.compile import (EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, CompileResult,
-                                  bill_problems, compile_many, latent_for, masked_attention_per_block, padding_cost,
-                                  per_block_bill, sysdesc,
-                                  tile_alignment, ttnn_ir)
+                                  compile_many, latent_for, per_block_bill, sysdesc, ttnn_ir)
+from wan_sharding.compile.bill import bill_problems, masked_attention_per_block, padding_cost, tile_alignment
 from wan_sharding.mesh import mesh_from_preset
 
 needs_plugin = pytest.mark.skipif(sysdesc.installed_plugin_version() is None,

@@ -162,3 +162,23 @@ def test_each_page_starts_with_what_a_user_runs(topic: str) -> None:
     first_section = text.find("\n## ")
     head = text if first_section < 0 else text[:first_section]
     assert "```" in head, f"docs/{topic} should open with the command or code a user runs"
+
+
+def test_the_readme_example_runs_as_written(tmp_path: Path) -> None:
+    """The README's Python example, run as a user would (a fresh process, its own environment
+    settings), writes its video and imports the sharding API from ``wan_sharding`` alone."""
+    import os
+    import subprocess
+    import sys
+
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.M | re.S)
+    assert len(blocks) == 1, "the README has one Python example"
+    example = blocks[0]
+    imports = re.findall(r"^from (wan_sharding\S*) import", example, flags=re.M)
+    assert "wan_sharding" in imports and set(imports) <= {"wan_sharding", "wan_sharding.pipeline.tiny"}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}  # the example sets them
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "wan_sharded.gif").stat().st_size > 1000

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from wan_sharding import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
-from wan_sharding.compile import (BillEntry, BlockBill, CompileRequest, attention_report, bill_problems,
-                                  compile_reports, design_bytes, sysdesc, ttir_attention)
+from wan_sharding.compile import BlockBill, CompileRequest, compile_reports, sysdesc
+from wan_sharding.compile.bill import BillEntry, attention_report, bill_problems, design_bytes
+from wan_sharding.compile.ttnn_ir import ttir_attention
 from wan_sharding.fused_sdpa import FusedSDPA, sdpa_math
 from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import LatentShape, build_dit, config_for, dit_inputs
@@ -46,8 +47,10 @@ def reports(tmp_path_factory) -> dict[str, dict]:
         "torch-xla": _tiny("torch-xla"),
         "torch-xla/plain": _tiny("torch-xla", composites="none"),
         "torchax/1x4": _tiny("torchax", mesh="1x4", padding="none"),  # SP 1: nothing to pad
+        "torchax/1x4/prompt_kv": _tiny("torchax", mesh="1x4", padding="none", patches=("prompt_kv",)),
         "torchax/8x4": _tiny("torchax", mesh="8x4"),
         "torchax/rope": _tiny("torchax", patches=("rope",)),
+        "torchax/unmarked": _tiny("torchax", mark_arguments=False),
         # hardware's options: DRAM space saving compiles once the RoPE is half-rotation
         "torch-xla/rope": _tiny("torch-xla", patches=("rope",), compile_options=None),
     }
@@ -124,6 +127,59 @@ def test_every_sdpa_composite_says_it_is_not_causal(reports, frontend):
         text = sorted((Path(r["ttnn_path"]).parent).glob("shlo_frontend_*.mlir"))[-1].read_text()
     assert sdpa_causal_flags(text) == ["false"] * 4
     assert sdpa_causal_flags(text.replace("is_causal = false, ", "")) == [None] * 4
+
+
+def _weight_layouts(report: dict) -> tuple[int, list[str | None]]:
+    """(``to_layout`` ops in const-eval, the roles of the function arguments that the step's program
+    itself converts with ``to_layout``) in a compile's TTNN module. The step is ``@main`` and the
+    functions tt-mlir made of it (its trace), whose arguments carry roles too."""
+    import re
+    from pathlib import Path
+
+    from wan_sharding.compile.marking import argument_roles_by_function
+    from wan_sharding.compile.ttnn_ir import TTNNModule
+
+    text = Path(report["ttnn_path"]).read_text()
+    roles, lines = argument_roles_by_function(text), text.splitlines()
+    once, step = 0, []
+    for op in TTNNModule.parse(text).op_list:
+        if op.name != "to_layout":
+            continue
+        if op.const_eval:
+            once += 1
+        elif (arg := re.search(r'"ttnn\.to_layout"\(%arg(\d+)\)', lines[op.line - 1])) is not None:
+            step.append(roles[op.function][int(arg.group(1))])
+    return once, step
+
+
+@needs_plugin
+@pytest.mark.parametrize("frontend", ["torchax", "torch-xla"])
+def test_arguments_reach_tt_mlir_marked_and_weights_are_tiled_in_const_eval(reports, frontend):
+    # As tt-xla marks them on hardware: every weight a parameter, the rope tables (buffers)
+    # constants, the three activations inputs. tt-mlir then converts the weights once, in const-eval.
+    from pathlib import Path
+
+    from wan_sharding.compile.marking import markers
+
+    r = reports[frontend]
+    dit = build_dit("t2v-a14b", "tiny", device="meta", num_layers=2)
+    want = {"parameter": len(list(dit.parameters())), "constant": len(list(dit.buffers())), "input": 3}
+    # the module the plugin received (its first export), one marker per argument ...
+    received = sorted(Path(r["ttnn_path"]).parent.glob("shlo_[0-9]*.mlir"))[-1].read_text()
+    assert markers(received) == want == r["arguments_marked"]
+    # ... and the roles tt-mlir compiled with, once tt-xla's frontend pass moved them to @main
+    assert r["argument_types"] == want
+    once, step = _weight_layouts(r)
+    assert once >= want["parameter"] and step == ["input"] * 3  # only activations converted per step
+    assert 0 < r["runtime_ops_per_block"] and 0 < r["const_eval_ops_per_block"]
+    # Unmarked (--no-argument-marks: this package before), every argument is an input and the
+    # step's program converts each weight itself, every call.
+    u = reports["torchax/unmarked"]
+    assert u["argument_types"] == {"input": sum(want.values())} and u["arguments_marked"] == {}
+    once, step = _weight_layouts(u)
+    assert once < want["parameter"] <= step.count("input")
+    assert u["runtime_ops_per_block"] > reports["torchax"]["runtime_ops_per_block"]
+    assert u["bill_ok"] and u["per_block_totals"] == {"large": 5, "small": 4}  # the bill keeps its meaning
 
 
 @needs_plugin
@@ -223,6 +279,22 @@ def test_half_rotation_rope_patch_removes_the_rotary_scatter(reports, frontend):
     # on the first try on both frontends: the tiny widths' interleaved RoPE is what it fails on.
     assert patched["options_used"]["experimental-enable-dram-space-saving-optimization"] == "true"
     assert not [n for n in patched["notes"] if "dram-space-saving" in n], patched["notes"]
+
+
+@needs_plugin
+def test_prompt_kv_leaves_the_prompts_work_out_of_the_step(reports):
+    """The step compiled with ``prompt_kv`` (the prompt state's K / V as inputs) against the same step
+    without: per block, cross-attention's ``to_k`` / ``to_v`` and ``norm_k`` (its statistics gather
+    over TP) are gone, the rest of the bill is the same and meets the patch's design (3 small)."""
+    vanilla, patched = reports["torchax/1x4"], reports["torchax/1x4/prompt_kv"]
+    assert patched["ok"] and patched["bill_ok"], patched.get("bill_problems")
+    assert patched["design"]["all_reduce/small/tp"] == 3 and vanilla["design"]["all_reduce/small/tp"] == 4
+    before, after = vanilla["per_block_ops"], patched["per_block_ops"]
+    assert after["linear"] == before["linear"] - 2
+    assert after["rms_norm_pre_all_gather"] == before["rms_norm_pre_all_gather"] - 1
+    assert after["all_gather"] == before["all_gather"] - 1
+    assert vanilla["per_block_totals"] == {"large": 3, "small": 4} and patched["per_block_totals"] == {"large": 3, "small": 3}
+    assert sum(after.values()) < sum(before.values()) - 10
 
 
 def test_a_dram_saving_failure_is_compiled_once_more_without_it_and_said():

@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 
 from wan_sharding import mesh_from_preset
-from wan_sharding.compile import CompileError, CompileRequest, bill_problems, compile_many, latent_for, per_block_bill
-from wan_sharding.compile import sysdesc, tile_alignment, ttnn_ir
+from wan_sharding.compile import CompileError, CompileRequest, compile_many, latent_for, per_block_bill, sysdesc, ttnn_ir
+from wan_sharding.compile.bill import bill_problems, tile_alignment
 from wan_sharding.compile.sysdesc import build_system_descriptor, inter_galaxy_channels, read_system_descriptor
 from wan_sharding.planner import PlannerError, hardware, plan_sharding
 from wan_sharding.planner.candidates import build_candidates

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from wan_sharding import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
-from wan_sharding.compile import BillEntry, BlockBill, TTNNModule, bill_problems, sysdesc
+from wan_sharding.compile import BlockBill, TTNNModule, sysdesc
+from wan_sharding.compile.bill import BillEntry, bill_problems
 from wan_sharding.compile.composites import LAYER_NORM, RMS_NORM, HardwareComposites, ttir_composite_counts
 from wan_sharding.compile.options import PLUGIN_KEYS, CompileOptions, effective_options
 from wan_sharding.compile.request import CompileError, CompileRequest
@@ -113,6 +114,9 @@ def test_norm_statistics_are_small_and_count_as_the_designs_four_small_tp_collec
     assert bill_problems(mixed, "2x4") == []
     short = BlockBill(big + [BillEntry("distributed_rms_norm", "tp", "small", 3, "1x1x32x1280xbf16", 1)], (1, 2))
     assert bill_problems(short, "2x4") == ["small all_reduce over tp: 3 per block, design says 4"]
+    # the prompt_kv patch's step: cross-attention's norm_k runs once per prompt, outside it
+    assert bill_problems(short, "2x4", prompt_kv=True) == []
+    assert bill_problems(mixed, "2x4", prompt_kv=True) == ["small all_reduce over tp: 4 per block, design says 3"]
 
 
 def test_ttir_composite_counts():

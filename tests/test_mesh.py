@@ -1,6 +1,7 @@
 import pytest
 
-from wan_sharding import MeshError, MeshSpec, as_mesh_spec, mesh_for_device_count, mesh_from_preset
+from wan_sharding import MeshError, MeshSpec, mesh_for_device_count, mesh_from_preset
+from wan_sharding.mesh import as_mesh_spec
 
 
 @pytest.mark.parametrize("name,sp,tp", [("1x1", 1, 1), ("1x2", 1, 2), ("1x4", 1, 4), ("1x8", 1, 8),

@@ -2,7 +2,7 @@
 with the TP specs and the SP hooks.
 
 In-process sharded runs use JAX on this process's 8 CPU devices (conftest.py); the torch-xla run
-and the 32-device 8x4 mesh run in worker processes (``wan_sharding.patches.check``).
+and the 32-device 8x4 mesh run in worker processes (``wan_sharding.jobs.patch_check``).
 """
 
 import types
@@ -10,15 +10,17 @@ import types
 import pytest
 import torch
 
-from wan_sharding import (WAN_TP_PLAN, ShardingError, ShardingPlan, apply_dit_sp_activation_sharding,
+from wan_sharding import (WAN_TP_TABLE, ShardingError, ShardingPlan, apply_dit_sp_activation_sharding,
                           shard_dit_specs)
 from wan_sharding.jobs.pcc import pcc
 from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 from wan_sharding.patches import EXACT_PATCHES, PATCHES, PatchError, applied_patches, apply_patches
-from wan_sharding.patches.check import sharpen
+from wan_sharding.jobs.patch_check import sharpen
 from wan_sharding.patches.processor import PatchedAttnProcessor
 from wan_sharding.patches.rope import half_rope_forward
+
+from jaxprs import equations
 
 ALIGNED, PADDED = LatentShape(1, 32, 32), LatentShape(3, 10, 14)  # 256 tokens; 105 -> 128 on SP 2
 EXACT = 1e-5  # fp32 max-abs against the vanilla unsharded model
@@ -38,11 +40,12 @@ def _eager(dit, inputs):
         return dit(**inputs, return_dict=False)[0]
 
 
-def _eager_attn(dit, inputs):
-    """The output and every block's self-attention output: the tiny models' small adaLN gates let
-    attention move the output by only ~1e-4, so exactness is also checked where it is computed."""
+def _eager_attn(dit, inputs, attn="attn1"):
+    """The output and every block's self-attention (or ``attn``) output: the tiny models' small adaLN
+    gates let attention move the output by only ~1e-4, so exactness is also checked where it is
+    computed."""
     outs = []
-    hooks = [b.attn1.register_forward_hook(lambda mod, args, out: outs.append(out)) for b in dit.blocks]
+    hooks = [getattr(b, attn).register_forward_hook(lambda mod, args, out: outs.append(out)) for b in dit.blocks]
     try:
         return _eager(dit, inputs), torch.stack(outs)
     finally:
@@ -198,7 +201,7 @@ def test_patches_that_allow_it_also_compose_after_sp():
     inputs = dit_inputs("t2v-a14b", PADDED)
     ref = _eager(dit, inputs)
     late = [n for n, p in PATCHES.items() if p.after_sp]
-    assert late == ["patchify", "rope_tables", "adaln_bf16"]
+    assert late == ["patchify", "rope_tables", "prompt_kv", "adaln_bf16"]
     out, *_, sp, patches = _sharded(dit, inputs, "2x4", "mask", late, sp_first=True)
     patches.remove()  # allowed with SP still on
     sp.remove()
@@ -219,18 +222,7 @@ def test_the_traced_graph_loses_what_the_patches_remove():
         closed = jax.make_jaxpr(backend.jax_forward(dit))(placed, jargs, jkwargs)
         sp.remove()
         patches.remove()
-        prims = []
-
-        def walk(jaxpr):  # nested jaxprs (pjit, custom calls) too
-            for e in jaxpr.eqns:
-                prims.append(e.primitive.name)
-                for value in e.params.values():
-                    for sub in value if isinstance(value, (tuple, list)) else (value,):
-                        sub = getattr(sub, "jaxpr", sub)
-                        if hasattr(sub, "eqns"):
-                            walk(sub)
-
-        walk(closed.jaxpr)
+        prims = [e.primitive.name for e in equations(closed.jaxpr)]
         flat = jax.tree_util.tree_leaves((placed, jargs, jkwargs))
         rope_ids = {id(placed["rope.freqs_cos"]), id(placed["rope.freqs_sin"])}
         invars = [v for v, x in zip(closed.jaxpr.invars, flat) if id(x) in rope_ids]
@@ -249,7 +241,7 @@ def test_the_traced_graph_loses_what_the_patches_remove():
 
 @pytest.mark.parametrize("backend,mesh", [("xla", "1x4"), ("xla", "2x4"), ("xla", "8x4"), ("jax", "8x4")])
 def test_all_exact_patches_sharded_in_a_worker(backend, mesh):
-    from wan_sharding.patches.check import run_in_subprocess
+    from wan_sharding.jobs.patch_check import run_in_subprocess
 
     cases = [{"variant": "t2v-a14b", "latent": [3, 10, 14], "padding": padding, "sharpen": SHARPEN}
              for padding in ("mask", "slice")]
@@ -257,6 +249,7 @@ def test_all_exact_patches_sharded_in_a_worker(backend, mesh):
     assert len(results) == len(cases)
     for r in results:
         assert r["max_abs"] <= EXACT, r
+        assert r["prompt_programs"] == 2, r  # prompt_kv: the first prompt's state reused, the second's made
 
 
 # ---- TP specs ------------------------------------------------------------------------------------
@@ -275,9 +268,9 @@ def test_specs_cover_every_parameter_of_a_patched_model():
         assert specs.by_name()["blocks.0.attn1.to_qkv.weight"] == ("tp", None)
         assert not any(".attn1.to_q." in n or ".attn2.to_k." in n for n in names)
         assert specs.bytes_per_device(2) == vanilla_bytes  # fusing moves no weight between devices
-        without = {k: v for k, v in WAN_TP_PLAN.items() if not k.endswith(("to_qkv", "to_kv"))}
+        without = {k: v for k, v in WAN_TP_TABLE.items() if not k.endswith(("to_qkv", "to_kv"))}
         with pytest.raises(ShardingError, match="not covered by the TP plan .*attn1.to_qkv.weight"):
-            shard_dit_specs(dit, "8x4", plan=without)  # the fused layers are named, never replicated silently
+            shard_dit_specs(dit, "8x4", tp_table=without)  # the fused layers are named, never replicated silently
     assert list(shard_dit_specs(dit, "8x4").by_name()) == list(vanilla.by_name())
 
 
@@ -430,3 +423,117 @@ def test_generate_shards_a_patched_pipeline_and_matches_the_vanilla_one(tmp_path
     summary = json.loads(next(out.glob("*.json")).read_text())
     assert summary["patches"] == ["rope", "qkv", "patchify"]
     assert summary["pcc_ok"] and summary["max_abs"] < 1e-4, summary
+
+
+# ---- prompt_kv: K / V once per prompt ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["t2v-a14b", "ti2v-5b"])
+def test_a_prompt_state_gives_the_vanilla_step_bit_for_bit(variant):
+    """The step given the prompt state (K / V made by the prompt program) is the vanilla forward given
+    the prompt embedding: bit-identical on the CPU alone, and with qkv's fused to_kv."""
+    from wan_sharding.patches.prompt_kv import prompt_state
+
+    dit = _sharp_dit(variant)
+    inputs = dit_inputs(variant, PADDED)
+    ref, ref_cross = _eager_attn(dit, inputs, "attn2")
+    for names in (["prompt_kv"], ["qkv", "prompt_kv"]):
+        with apply_patches(dit, names, mesh="2x4"):
+            state = prompt_state(dit, inputs["encoder_hidden_states"])
+            assert sorted(state) == [f"blocks.{i}" for i in range(len(dit.blocks))]
+            out, cross = _eager_attn(dit, {**inputs, "encoder_hidden_states": state}, "attn2")
+            assert torch.equal(out, ref) and torch.equal(cross, ref_cross), names
+            assert torch.equal(_eager(dit, inputs), ref)  # the prompt embedding itself: the vanilla path
+
+
+def test_prompt_kv_through_a_stand_in_caches_per_prompt_values_on_jax():
+    """Through a pipeline's stand-in on 2x4: each prompt's state made once and reused while its values
+    are the same (the guidance branches alternate, another tensor with the same values), made again
+    for changed values (in place, with or without a version bump) and for another placement; each
+    output as the vanilla model's for its prompt; the state split over TP on the devices; and the
+    step's program has no matmul of the prompt (the text MLP, to_k / to_v) left."""
+    import jax
+
+    from wan_sharding.patches.prompt_kv import prompt_cache, prompt_state_bytes
+    from wan_sharding.pipeline import ShardedTransformer
+
+    dit, twin = _sharp_dit("t2v-a14b"), _sharp_dit("t2v-a14b")  # twin: the same weights, never patched
+    inputs = dit_inputs("t2v-a14b", PADDED)
+    cond, uncond = inputs["encoder_hidden_states"], torch.randn_like(inputs["encoder_hidden_states"])
+    patches = apply_patches(dit, ["rope", "qkv", "prompt_kv"], mesh="2x4")
+    backend = _jax_backend("2x4")
+    specs = shard_dit_specs(dit, "2x4")
+    sp = apply_dit_sp_activation_sharding(dit, "2x4", backend=backend, padding="mask")
+    model = ShardedTransformer(dit, backend, backend.place(dit, specs), "transformer", "mask", sp=sp)
+    cache = prompt_cache(dit)
+
+    def step(prompt, stand_in=model):
+        with torch.no_grad():
+            out = stand_in(**{**inputs, "encoder_hidden_states": prompt}, return_dict=False)[0]
+        assert (out - _eager(twin, {**inputs, "encoder_hidden_states": prompt})).abs().max() <= EXACT
+        return cache.computed, cache.reused
+
+    assert [step(p) for p in (cond, uncond, cond, uncond)] == [(1, 0), (2, 0), (2, 1), (2, 2)]
+    assert step(cond.clone()) == (2, 3)
+    state = cache.entries[0].state
+    assert state["blocks.0"][0].sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
+    per_device = sum(t.addressable_shards[0].data.nbytes for kv in state.values() for t in kv)
+    assert per_device == prompt_state_bytes(dit, 1, cond.shape[1], tp=4, itemsize=4)
+    cond.mul_(1.5)  # in place: a version bump and new values
+    assert step(cond) == (3, 3)
+    cond.data[0, 0, 0] += 1.0  # in place behind autograd's back: no version bump, new values
+    assert step(cond) == (4, 3) and len(cache.entries) == cache.capacity
+    again = ShardedTransformer(dit, backend, backend.place(dit, specs), "transformer", "mask", sp=sp)
+    assert step(cond, again) == (5, 3)  # another placement: its own states
+
+    def prompt_matmuls(prompt) -> int:
+        """Matmuls of (B, S, channels) operands in the step's program: the text MLP and K / V projections."""
+        jargs, jkwargs = backend._device_inputs((), {**inputs, "encoder_hidden_states": prompt})
+        eqns = equations(jax.make_jaxpr(backend.jax_forward(dit))(again._placed, jargs, jkwargs).jaxpr)
+        return sum(e.primitive.name == "dot_general" and e.invars[0].aval.ndim == 3
+                   and tuple(e.invars[0].aval.shape[:2]) == (1, cond.shape[1]) for e in eqns)
+
+    assert prompt_matmuls(cond) == 2 + len(dit.blocks)  # the prompt embedding itself: linear_1, linear_2, to_kv
+    assert prompt_matmuls(state) == 0
+    sp.remove()
+    patches.remove()
+    backend.release(dit)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"image_dim": 32}, "patch 'prompt_kv' does not support image embeddings"),
+    ({"added_kv_proj_dim": 32}, "does not fit blocks.0.attn2: image cross-attention"),
+])
+def test_prompt_kv_refuses_image_conditioning_before_the_model_is_touched(overrides, match):
+    dit = build_dit("t2v-a14b", **overrides)
+    before = _state(dit)
+    with pytest.raises(PatchError, match=match) as err:
+        apply_patches(dit, ["prompt_kv"])
+    assert "\n" not in str(err.value) and _state(dit) == before
+
+
+def test_a_prompt_state_reaches_only_a_cross_attention_that_takes_one():
+    """A prompt state handed to a cross-attention whose processor was not set up by prompt_kv (here:
+    qkv's only) is a one-line error, not a wrong K / V."""
+    dit = build_dit("t2v-a14b")
+    with apply_patches(dit, ["qkv"], mesh="2x4"):
+        attn = dit.blocks[0].attn2
+        h = torch.randn(1, 8, attn.inner_dim)
+        state = {"blocks.0": (torch.randn(1, 16, attn.inner_dim), torch.randn(1, 16, attn.inner_dim))}
+        with pytest.raises(ValueError, match="the 'prompt_kv' patch is not applied to it") as err:
+            attn(h, state)
+    assert "\n" not in str(err.value)
+
+
+def test_exact_selects_every_exact_patch():
+    from wan_sharding.cli import build_parser
+    from wan_sharding.patches import patch_names
+
+    assert patch_names("exact") == list(EXACT_PATCHES) and "prompt_kv" in EXACT_PATCHES
+    assert patch_names(["adaln_bf16", "exact"]) == ["adaln_bf16", *EXACT_PATCHES]
+    assert patch_names(["rope", "exact"]) == ["rope", *(n for n in EXACT_PATCHES if n != "rope")]
+    dit = build_dit("t2v-a14b")
+    with apply_patches(dit, "exact", mesh="2x4") as handle:
+        assert applied_patches(dit) == EXACT_PATCHES and handle.exact
+    args = build_parser().parse_args(["compile", "--patches", "exact", "adaln_bf16"])
+    assert args.patches == [*EXACT_PATCHES, "adaln_bf16"]

@@ -113,6 +113,45 @@ API_SCRIPT = textwrap.dedent('''
 ''')
 
 
+# Runs in a jax worker on 8 CPU devices: the prompt_kv patch in a two-expert pipeline with guidance.
+PROMPT_KV_SCRIPT = textwrap.dedent('''
+    import json, torch
+    from wan_sharding.pipeline import diffusers_without_torch_xla, shard_pipeline
+    diffusers_without_torch_xla()
+    from wan_sharding.caching import enable_pipeline_cache, pipeline_cache_stats
+    from wan_sharding.patches.prompt_kv import prompt_cache
+    from wan_sharding.pipeline.tiny import build_tiny_pipeline, call_kwargs
+
+    r = {}
+    pipe, reference = build_tiny_pipeline("t2v-a14b"), build_tiny_pipeline("t2v-a14b")  # the same weights
+    experts = {n: getattr(pipe, n) for n in ("transformer", "transformer_2")}
+    def gap(prompt="a red fox running through snow", **extra):
+        """Sharded (patched) against unsharded (vanilla) final latents, each with fresh call kwargs."""
+        runs = [p(**call_kwargs(p, prompt=prompt, steps=4), **extra, output_type="latent").frames
+                for p in (pipe, reference)]
+        return float((runs[0] - runs[1]).abs().max())
+    counts = lambda: {n: [prompt_cache(e).computed, prompt_cache(e).reused] for n, e in experts.items()}
+
+    handle = shard_pipeline(pipe, "2x4", backend="jax", patches=["exact"])
+    r["patches"] = list(handle.experts[0].patches.names)
+    r["fox"], r["fox_counts"] = gap(), counts()
+    r["bird"], r["bird_counts"] = gap("a blue bird over a lake"), counts()
+    def halve(p, i, t, kw):  # the pipeline's prompt tensor changed in place after the first step
+        if i == 0:
+            kw["prompt_embeds"].mul_(0.5)
+        return {}
+    r["in_place"] = gap(callback_on_step_end=halve, callback_on_step_end_tensor_inputs=["prompt_embeds"])
+    r["in_place_counts"] = counts()
+    for p in (pipe, reference):  # a step cache decides as it does on the vanilla unsharded pipeline
+        enable_pipeline_cache(p, "fbc", 4, threshold=1e9)  # skip whenever it may
+    r["fbc"] = gap()
+    r["fbc_decisions"] = [pipeline_cache_stats(p) for p in (pipe, reference)]
+    handle.remove()
+    r["removed"] = [prompt_cache(e) is None for e in experts.values()]
+    print("RESULT " + json.dumps(r))
+''')
+
+
 def _run(cmd: list[str], backend: str, devices: int, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=worker_env(backend, devices), capture_output=True, text=True, timeout=timeout)
 
@@ -128,6 +167,7 @@ def jobs(tmp_path_factory) -> dict[str, Future]:
         "generate": pool.submit(_run, [*cli, "generate", "--backend", "xla", "--mesh", "2x4", "--steps", "2",
                                        "--padding", "slice", "--compare", "--out", str(out)], "xla", 8),
         "api": pool.submit(_run, [sys.executable, "-c", API_SCRIPT], "xla", 8),
+        "prompt_kv": pool.submit(_run, [sys.executable, "-c", PROMPT_KV_SCRIPT], "jax", 8),
         "profile": pool.submit(_run, [*cli, "profile", "--backend", "jax", "--mesh", "1x4", "--what", "dit", "step",
                                       "--padding", "mask", "--resolution", "tiny", "--warmup", "2", "--iters", "2",
                                       "--json"], "jax", 4),
@@ -199,6 +239,27 @@ def test_shard_pipeline_refuses_restores_and_isolates(jobs):
     assert r["reshard_ok"]
     assert r["loaded"] == ["WanPipeline", "WanTransformer3DModel", 0.875] and r["loaded_close"] <= MAX_ABS
     assert "model_index.json" in r["not_a_pipeline_dir"]
+
+
+def test_prompt_kv_in_a_pipeline_once_per_prompt_value_per_expert(jobs):
+    """``shard_pipeline(patches=["exact"])``, prompt_kv among them, in the two-expert pipeline with
+    guidance (4 steps: 2 on each expert, cond + uncond each): final
+    latents as the vanilla unsharded pipeline's; each expert makes each prompt's state once (a new
+    prompt only its own, the unchanged negative prompt is reused by value), again when the prompt
+    tensor is changed in place mid-run; FirstBlockCache decides as on the vanilla pipeline."""
+    r = _result(jobs["prompt_kv"].result())
+    assert "prompt_kv" in r["patches"]
+    for key in ("fox", "bird", "in_place", "fbc"):
+        assert r[key] <= MAX_ABS, (key, r[key])
+    # [states made, states reused] per expert, summed over the runs
+    assert r["fox_counts"] == {"transformer": [2, 2], "transformer_2": [2, 2]}
+    assert r["bird_counts"] == {"transformer": [3, 5], "transformer_2": [3, 5]}
+    # the fox prompt again (its state was dropped for the bird's), halved in place after step 1: the
+    # high-noise expert makes the fox's and then the halved one's, the low-noise expert the halved one's
+    assert r["in_place_counts"] == {"transformer": [5, 7], "transformer_2": [4, 8]}
+    sharded, vanilla = r["fbc_decisions"]
+    assert sharded == vanilla and any(0 in e["decisions"] for e in vanilla.values()), (sharded, vanilla)
+    assert r["removed"] == [True, True]
 
 
 def test_profile_json_reports_warm_iterations(jobs):

@@ -96,14 +96,15 @@ def test_plan_contradictions_are_usage_errors(tmp_path):
 
 def test_shard_pipeline_plan_argument_checks():
     """Before anything is changed: a plan path that does not exist, and a padding that contradicts it."""
-    from wan_sharding.pipeline.shard import _load_plan, _plan_mesh_and_padding
+    from wan_sharding.compose import resolve
     from wan_sharding.specs import ShardingError
 
     plan = PLANS["2x4-wormhole_b0"]
     with pytest.raises(ShardingError, match="cannot read plan file"):
-        _load_plan("/nonexistent/plan.json")
+        resolve(None, "jax", plan="/nonexistent/plan.json")
     with pytest.raises(ShardingError, match="contradicts the plan's padding"):
-        _plan_mesh_and_padding(plan, None, "slice" if plan.padding != "slice" else "mask")
+        resolve(None, "jax", "slice" if plan.padding != "slice" else "mask", plan=plan)
     with pytest.raises(ShardingError, match="contradicts the plan's mesh"):
-        _plan_mesh_and_padding(plan, "8x4", None)
-    assert _plan_mesh_and_padding(plan, None, None) == (None, plan.padding)
+        resolve("8x4", "jax", plan=plan)
+    resolved = resolve(None, "jax", plan=plan)  # this process's JAX has the plan's 8 devices
+    assert resolved.plan is plan and resolved.padding == plan.padding and resolved.mesh == plan.mesh()

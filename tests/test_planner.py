@@ -16,7 +16,8 @@ import torch
 
 from wan_sharding import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
 from wan_sharding.cli.plan import add_subcommands
-from wan_sharding.compile import design_bill, sysdesc
+from wan_sharding.compile import sysdesc
+from wan_sharding.compile.bill import design_bill
 from wan_sharding.jobs.pcc import pcc
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 from wan_sharding.plan import ShardingPlan

@@ -3,7 +3,7 @@ import torch
 
 from wan_sharding import ShardingError, shard_dit_specs
 from wan_sharding.models import VARIANTS, build_dit
-from wan_sharding.plan import WAN_SP_PLAN, WAN_TP_PLAN, SPGather, SPSplit
+from wan_sharding.plan import WAN_SP_POINTS, WAN_TP_TABLE, SPGather, SPSplit
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -90,14 +90,14 @@ def test_parameter_outside_the_plan_is_an_error_not_a_replication():
 def test_unknown_style_in_a_plan_is_refused():
     dit = build_dit("t2v-a14b", "tiny")
     with pytest.raises(ShardingError, match="unknown style 'sharded'"):
-        shard_dit_specs(dit, "1x4", plan={**WAN_TP_PLAN, "proj_out": "sharded"})
+        shard_dit_specs(dit, "1x4", tp_table={**WAN_TP_TABLE, "proj_out": "sharded"})
 
 
 def test_sp_plan_matches_diffusers_cp_plan():
     from diffusers import WanTransformer3DModel
 
     cp = WanTransformer3DModel._cp_plan
-    for point in WAN_SP_PLAN:
+    for point in WAN_SP_POINTS:
         entry = cp[point.module]
         if isinstance(point, SPGather):
             assert entry.gather_dim == point.dim
@@ -105,4 +105,4 @@ def test_sp_plan_matches_diffusers_cp_plan():
             assert all(v.split_dim == point.dim and v.split_output for v in entry.values())
         else:
             assert entry[point.arg].split_dim == point.dim
-    assert isinstance(WAN_SP_PLAN[0], SPSplit)
+    assert isinstance(WAN_SP_POINTS[0], SPSplit)

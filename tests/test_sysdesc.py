@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from wan_sharding.compile import sysdesc
+from wan_sharding.compile import sysdesc, ttsys
 from wan_sharding.compile.sysdesc import (
     SystemDescriptorError,
     build_system_descriptor,
@@ -60,14 +60,14 @@ def test_round_trip(arch: str, num_chips: int) -> None:
     # Every ChipDesc field survives the trip, compared with chips.json.
     ref = json.loads((Path(sysdesc.__file__).with_name("chips.json")).read_text())["chips"][arch]
     chip = d["chips"][-1]
-    for name, kind in sysdesc._CHIP_FIELDS:
+    for name, kind in ttsys.CHIP_FIELDS:
         want = ref[name]
         if kind == "dim2d":
             want = (want["y"], want["x"])
         elif kind == "dim2dvec":
             want = [(v["y"], v["x"]) for v in want]
         elif kind == "u16vec":
-            want = [sysdesc._DATA_TYPE[t] for t in want]
+            want = [ttsys.DATA_TYPE[t] for t in want]
         assert chip[name] == want, name
 
 
@@ -187,13 +187,15 @@ _PROBE = textwrap.dedent(
 
 
 def _run_plugin(desc: Path) -> subprocess.CompletedProcess[str]:
-    from wan_sharding.compile import private_tmpdir, worker_env
+    from wan_sharding.compile.runner import private_tmpdir, remove_assets, worker_env
 
     # A private TMPDIR: the plugin keeps its descriptor copy at a fixed path under it.
-    env = worker_env(desc, private_tmpdir(desc.parent))
-    return subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=180
-    )
+    tmp = private_tmpdir(desc.parent)
+    try:
+        return subprocess.run([sys.executable, "-c", _PROBE], env=worker_env(desc, tmp), capture_output=True,
+                              text=True, timeout=180)
+    finally:
+        remove_assets(tmp)
 
 
 @needs_plugin

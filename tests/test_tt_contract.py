@@ -236,7 +236,8 @@ def test_tt_backend_runs_a_cached_forward_as_a_few_compiled_programs(tt_stand_in
     ``torch.compile(backend="tt")`` once per signature (stand-in: run eagerly on the CPU), with the
     compile options sent before the first of them; never the whole-forward compile. The cache
     decides and computes exactly as on the unsharded model."""
-    from wan_sharding.caching import install_probe, wan_cache_config
+    from wan_sharding.caching import wan_cache_config
+    from wan_sharding.caching.probes import install_probe
     from wan_sharding.pipeline import ShardedTransformer
 
     seen = []  # the options torch-xla had when each torch.compile was called
@@ -271,9 +272,9 @@ def test_tt_backend_runs_a_cached_forward_as_a_few_compiled_programs(tt_stand_in
     assert all(model_ is not dit and name == "tt" and kw == {"dynamic": False}
                for model_, name, kw in tt_stand_ins.compiles)
     assert seen == [WAN_TEST_OPTIONS] * len(compiled) and tt_stand_ins.options == [WAN_TEST_OPTIONS]
-    from wan_sharding.caching import model_cache_probe
+    from wan_sharding.caching.model import model_cache_probe
 
-    timing = model_cache_probe(dit).plan.timing
+    timing = model_cache_probe(dit).programs.timing
     assert timing.forwards == 6 and timing.program_calls == 6 * per_forward
     backend.release(dit)  # forgotten with the model's compiled forwards
     with torch.no_grad(), model.cache_context("cond", step_index=0):
@@ -507,6 +508,38 @@ def test_a_cached_forward_is_one_graph_per_program(dynamo_run, backend, kind):
     if kind == "fbc":
         assert r["programs_again"] == sorted(programs) and r["graphs"][1] == len(programs)  # 2 forwards: all four again
         assert r["decisions_match_again"]
+
+
+def test_prompt_kv_keeps_one_graph_for_every_prompt(dynamo_run):
+    """The ``prompt_kv`` patch on the tt path (rope and qkv too, mask padding), through a pipeline's
+    stand-in: four forwards over three prompts (the first again after the second, as the guidance
+    branches alternate) compile one graph (the prompt state is the step's input, the prompt
+    programs run lazily outside dynamo: 3 made, 1 reused), with every SP constraint and only the
+    pins the step still needs (no cross-attention norm_k: it runs once per prompt), and each output
+    is the unsharded model's for its prompt."""
+    r = dynamo_run["prompt"]["forwards"]
+    assert r["breaks"] == {} and len(r["graphs"]) == 1 and r["compiles"] == 1, r
+    rep4, sp4 = sdy_string(("sp", "tp"), (None,) * 4), sdy_string(("sp", "tp"), (None, "sp", None, None))
+    rep3, sp3 = sdy_string(("sp", "tp"), (None,) * 3), sdy_string(("sp", "tp"), (None, "sp", None))
+    assert r["graphs"] == [[rep4, sp4, rep4, sp4, rep4, rep3, sp3, rep3]]  # rope, block entry, mask, exit
+    assert (r["computed"], r["reused"]) == (3, 1)
+    assert r["norms"] == [6] and r["pins"] == [_pins(tokens_split=True)[:3] * 2]
+    assert r["max_abs"] <= 1e-5, r["max_abs"]
+
+
+@pytest.mark.parametrize("backend", ["tt", "xla"])
+def test_prompt_kv_under_a_step_cache_decides_and_computes_as_before(dynamo_run, backend):
+    """FirstBlockCache with ``prompt_kv``, two steps of the two guidance branches: the same decisions
+    and outputs as the unsharded model with the same cache, each prompt's state made once. On
+    ``tt`` each of FirstBlockCache's programs is one graph; on ``xla`` the programs of a forward
+    given a prompt state run lazily (traced at each call): replayed through torch-xla's dynamo
+    bridge, its ``head`` program read the first prompt's K / V for the second prompt."""
+    r = dynamo_run["prompt"][f"{backend}-fbc"]
+    assert r["breaks"] == {} and r["decisions_match"] and r["skipped"] > 0, r
+    assert (r["computed"], r["reused"]) == (2, 2)
+    assert r["max_abs"] <= 1e-5, r["max_abs"]
+    if backend == "tt":
+        assert len(r["graphs"]) == len(CACHED_PROGRAMS["fbc"][0]) + 1  # the head twice: with and without the statistic
 
 
 # ---------------------------------------------------------------------------- inference only

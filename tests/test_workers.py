@@ -79,6 +79,57 @@ def test_a_worker_past_its_timeout_is_stopped(tmp_path):
     assert run.timed_out and not run.ok and "limit" in run.output
 
 
+def test_a_worker_whose_child_does_the_work_is_not_taken_for_hung(tmp_path):
+    # What a level-1 compile looks like: the worker waits while compilers it started (cc1plus under
+    # the g++ driver) use the CPU. The watchdog counts the worker's whole process tree.
+    module, env = _worker_module(tmp_path, f'''
+        import subprocess
+        busy = "import time\\nend = time.time() + 6\\nwhile time.time() < end: pass"
+        subprocess.run(["sh", "-c", f"{sys.executable} -c '{{busy}}'; echo done"], check=True)
+        return [{{"child": "finished"}}]
+    ''')
+    run = run_worker(module, {}, env, label="waiter", stall_s=3, retries_on_stall=0)
+    assert run.ok and not run.stalled, run.output
+    assert run.results == [{"child": "finished"}]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("how", ["hung", "exits"])
+def test_no_child_outlives_its_worker(tmp_path, how):
+    # A worker starts a grandchild through a shell (in its process group) and, when it hangs, a
+    # child in a session of its own (out of its group, found through its parent). Whether the
+    # watchdog stops the worker or the worker exits by itself, none of them is left running.
+    # (They write nowhere: one holding the worker's output would also keep the caller reading.)
+    module, env = _worker_module(tmp_path, f'''
+        import subprocess
+        quiet = dict(stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sh = subprocess.Popen(["sh", "-c", "sleep 600 >/dev/null & echo $!; wait"], stdout=subprocess.PIPE,
+                              text=True, **quiet)
+        pids = [sh.pid, int(sh.stdout.readline())]
+        if {how!r} == "hung":
+            pids.append(subprocess.Popen(["sleep", "600"], start_new_session=True, stdout=subprocess.DEVNULL,
+                                         **quiet).pid)
+        emit({{"pids": pids}})
+        if {how!r} == "hung":
+            time.sleep(60)
+    ''')
+    run = run_worker(module, {}, env, label=how, stall_s=2, retries_on_stall=0)
+    assert run.stalled == (how == "hung") and run.ok == (how == "exits"), run.output
+    pids = run.results[0]["pids"]
+    assert len(pids) == (3 if how == "hung" else 2)
+    deadline = time.monotonic() + 5  # init reaps the killed orphans
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
 def test_atomic_write_leaves_nothing_when_interrupted(tmp_path):
     target = tmp_path / "out" / "result.json"
     with pytest.raises(KeyboardInterrupt):
@@ -178,3 +229,23 @@ def test_cpu_workers_keep_the_users_xla_flags_and_set_their_own_device_count(mon
     assert backend == "jax" or env["CPU_NUM_DEVICES"] == "4"
     monkeypatch.delenv("XLA_FLAGS")
     assert ("XLA_FLAGS" in launch.worker_env(backend, 4)) == (backend == "jax")
+
+
+def test_a_jax_cpu_worker_starts_without_the_tenstorrent_plugin():
+    """A CPU JAX worker (its environment from the package, ``prepare_worker("jax")`` first) loads no
+    PJRT plugin: the Tenstorrent plugin would unpack its runtime at every start and can fail when
+    two workers load it at once (``keep_plugins_out_of_cpu_jax``). JAX still sees its 8 CPU devices."""
+    from wan_sharding.jobs.launch import worker_env
+
+    probe = textwrap.dedent('''
+        import sys
+        from wan_sharding.jobs.launch import prepare_worker
+        prepare_worker("jax")
+        import jax
+        print(len(jax.devices()), jax.devices()[0].platform, "jax_plugins.libtt" in sys.modules)
+    ''')
+    run = subprocess.run([sys.executable, "-c", probe], env=worker_env("jax", 8), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["8", "cpu", "False"]
+    assert "failed to extract" not in run.stderr

@@ -225,7 +225,8 @@ def cached(preset: str) -> dict:
     programs compiled afresh, the outputs still the same."""
     from wan_sharding import apply_dit_sp_activation_sharding, shard_dit_specs
     from wan_sharding.backends.xla import XlaBackend
-    from wan_sharding.caching import install_probe, wan_cache_config
+    from wan_sharding.caching import wan_cache_config
+    from wan_sharding.caching.probes import install_probe
     from wan_sharding.mesh import mesh_from_preset
     from wan_sharding.models import LatentShape, build_dit, dit_inputs
     from wan_sharding.pipeline import ShardedTransformer
@@ -295,8 +296,97 @@ def cached(preset: str) -> dict:
     return out
 
 
+def prompt_states(preset: str) -> dict:
+    """The ``prompt_kv`` patch through a pipeline's stand-in. On the ``tt`` backend: two prompts, the
+    first again (as the guidance branches alternate), then a third: the dynamo graphs of those
+    forwards (the prompt state comes in as the step's inputs; the prompt programs run lazily,
+    outside dynamo), their constraints and pins, the prompt programs run, the outputs against the
+    unsharded model. Then with FirstBlockCache, two steps of two prompts (the guidance branches in
+    their cache contexts), on ``tt`` and on ``xla``: graphs, decisions and outputs against the
+    unsharded model with the same cache."""
+    from wan_sharding import apply_dit_sp_activation_sharding, shard_dit_specs
+    from wan_sharding.backends.xla import XlaBackend
+    from wan_sharding.caching import wan_cache_config
+    from wan_sharding.caching.probes import install_probe
+    from wan_sharding.mesh import mesh_from_preset
+    from wan_sharding.models import LatentShape, build_dit, dit_inputs
+    from wan_sharding.patches import apply_patches
+    from wan_sharding.patches.prompt_kv import prompt_cache
+    from wan_sharding.pipeline import ShardedTransformer
+
+    inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    generator = torch.Generator().manual_seed(5)
+    prompts = [inputs["encoder_hidden_states"]] + [torch.randn(inputs["encoder_hidden_states"].shape,
+                                                               generator=generator) for _ in range(2)]
+
+    def sharded(backend, dit):
+        apply_patches(dit, ["rope", "qkv", "prompt_kv"], mesh=backend.mesh)
+        placed = backend.place(dit, shard_dit_specs(dit, backend.mesh))
+        sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding="mask")
+        return ShardedTransformer(dit, backend, placed, "transformer", "mask", sp=sp), sp
+
+    def counted(run) -> dict:
+        GRAPHS.clear(), PINS.clear(), NORMS.clear()
+        torch._dynamo.utils.counters.clear()
+        out = run()
+        out.update(graphs=list(GRAPHS), pins=list(PINS), norms=list(NORMS),
+                   breaks={str(k): v for k, v in torch._dynamo.utils.counters["graph_break"].items()})
+        return out
+
+    backend = _backend(preset)
+    dit = build_dit("t2v-a14b")
+    with torch.no_grad():
+        refs = [dit(**{**inputs, "encoder_hidden_states": p}, return_dict=False)[0] for p in prompts]
+    model, sp = sharded(backend, dit)
+
+    def forwards() -> dict:
+        worst = 0.0
+        with torch.no_grad():
+            for i in (0, 1, 0, 2):
+                got = model(**{**inputs, "encoder_hidden_states": prompts[i]}, return_dict=False)[0]
+                worst = max(worst, _max_abs_and_pcc(got, refs[i])[0])
+        cache = prompt_cache(dit)
+        return {"max_abs": worst, "computed": cache.computed, "reused": cache.reused, "compiles": backend.compiles}
+
+    out = {"forwards": counted(forwards)}
+    sp.remove()
+    backend.release(dit)
+
+    for name in ("tt", "xla"):
+        backend = _backend(preset) if name == "tt" else XlaBackend(mesh_from_preset(preset), native_mesh=MESH[0])
+        with torch._dynamo.config.patch(inline_inbuilt_nn_modules=name != "tt"):
+            config = lambda: wan_cache_config("fbc", 2, threshold=1e9)  # noqa: E731  (skip whenever it may)
+            dit, reference = build_dit("t2v-a14b"), build_dit("t2v-a14b")
+            model, sp = sharded(backend, dit)
+            model.enable_cache(config())
+            probe = install_probe(reference, config())
+
+            def cached() -> dict:
+                worst = 0.0
+                with torch.no_grad():
+                    for step in range(2):
+                        for context, prompt in (("cond", prompts[0]), ("uncond", prompts[1])):
+                            x = {**inputs, "encoder_hidden_states": prompt}
+                            with model.cache_context(context, step_index=step), \
+                                    reference.cache_context(context, step_index=step):
+                                got = model(**x, return_dict=False)[0]
+                                ref = reference(**x, return_dict=False)[0]
+                            worst = max(worst, _max_abs_and_pcc(got.cpu(), ref)[0])
+                cache = prompt_cache(dit)
+                return {"max_abs": worst, "computed": cache.computed, "reused": cache.reused,
+                        "decisions_match": model.cache_stats.decisions == probe.stats.decisions,
+                        "skipped": model.cache_stats.skipped()}
+
+            out[f"{name}-fbc"] = counted(cached)
+            model.disable_cache(), probe.remove(keep_cache=False)
+            sp.remove()
+            backend.release(dit)
+    torch._dynamo.reset()
+    return out
+
+
 if __name__ == "__main__":
     preset, n, *cases = sys.argv[1:]
     result = {"cases": graphs(preset, cases), "models": models(int(n)) if int(n) else None,
-              "cached": cached(preset) if int(n) else None}
+              "cached": cached(preset) if int(n) else None, "prompt": prompt_states(preset) if int(n) else None}
     print("RESULT " + json.dumps(result))

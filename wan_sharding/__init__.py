@@ -1,22 +1,31 @@
 """Shard the unmodified diffusers Wan 2.2 DiT on Tenstorrent meshes (tt-xla / tt-mlir).
 
-The public API:
+The public API, all of it acting on one model instance and undone by ``remove()``:
 
-- :func:`shard_dit_specs`: Megatron TP partition specs for every parameter.
-- :func:`apply_dit_sp_activation_sharding`: sequence parallelism on the token dim, reversible.
-- :class:`MeshSpec`, :func:`mesh_from_preset`, :func:`mesh_for_device_count`: meshes.
-- :func:`get_backend`: the ``xla`` / ``jax`` / ``tt`` constraint primitives.
-- :class:`ShardingPlan`: a whole plan (axes, FSDP, layout, padding), e.g. from ``wan-sharding plan``.
+- :func:`shard_pipeline`: every expert of a diffusers Wan 2.2 pipeline; the pipeline's own
+  ``__call__`` then runs on the mesh.
+- :func:`shard_dit`: one ``WanTransformer3DModel`` (patches -> TP specs -> placement -> SP hooks),
+  returning a :class:`DitHandle`.
+- :func:`shard_dit_specs` and :func:`apply_dit_sp_activation_sharding`: the two steps of the
+  design by themselves (TP specs as data; the SP hooks and padding).
+- :func:`get_backend`: the ``xla`` / ``jax`` / ``tt`` stacks; :class:`MeshSpec`,
+  :func:`mesh_from_preset`: meshes; :class:`ShardingPlan`: a planner's plan, accepted wherever a
+  mesh is.
+- :func:`apply_patches`: opt-in exact model rewrites (``shard_dit``'s ``patches=`` applies them).
 """
 
 from .activation import SPHandle, apply_dit_sp_activation_sharding
 from .backends import BACKENDS, Backend, BackendError, get_backend
-from .mesh import PRESETS, MeshError, MeshSpec, as_mesh_spec, mesh_for_device_count, mesh_from_preset
-from .plan import WAN_SP_PLAN, WAN_TP_PLAN, ShardingPlan
+from .compose import DitHandle, shard_dit
+from .mesh import PRESETS, MeshError, MeshSpec, mesh_for_device_count, mesh_from_preset
+from .patches import PatchError, apply_patches
+from .pipeline import PipelineHandle, diffusers_without_torch_xla, shard_pipeline
+from .plan import WAN_SP_POINTS, WAN_TP_TABLE, PlanError, ShardingPlan
 from .specs import ShardingError, ShardSpecs, shard_dit_specs
 
 __all__ = [
-    "BACKENDS", "Backend", "BackendError", "MeshError", "MeshSpec", "PRESETS", "SPHandle", "ShardSpecs",
-    "ShardingError", "ShardingPlan", "WAN_SP_PLAN", "WAN_TP_PLAN", "apply_dit_sp_activation_sharding", "as_mesh_spec",
-    "get_backend", "mesh_for_device_count", "mesh_from_preset", "shard_dit_specs",
+    "BACKENDS", "Backend", "BackendError", "DitHandle", "MeshError", "MeshSpec", "PRESETS", "PatchError",
+    "PipelineHandle", "PlanError", "SPHandle", "ShardSpecs", "ShardingError", "ShardingPlan", "WAN_SP_POINTS",
+    "WAN_TP_TABLE", "apply_dit_sp_activation_sharding", "apply_patches", "diffusers_without_torch_xla",
+    "get_backend", "mesh_for_device_count", "mesh_from_preset", "shard_dit", "shard_dit_specs", "shard_pipeline",
 ]

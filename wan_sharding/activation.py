@@ -4,7 +4,7 @@ Per instance and reversible: forward hooks on this model's ``rope``, ``condition
 ``blocks[0]`` and ``proj_out``, and per-module attention processors on its self-attentions. No
 method of any diffusers class is replaced, so other instances are untouched.
 
-Data flow (``WAN_SP_PLAN``)::
+Data flow (``WAN_SP_POINTS``)::
 
     patch_embedding -> flatten -> (B, L, D) replicated
       -> constrain(replicated) -> pad L to SP*32 -> constrain(L on SP)    # blocks[0] pre-hook
@@ -15,30 +15,19 @@ Data flow (``WAN_SP_PLAN``)::
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .attention import PADDING_MODES, ForwardState, RefusesCopy, build_key_mask
+from .attention import PADDING_MODES, build_key_mask
 from .backends import Backend, get_backend
+from .hooks import ForwardState, Hook, forget_sp, has_sp, record_sp
 from .mesh import MeshSpec, as_mesh_spec, padded_length
 from .options import DEFAULT_PADDING
-from .plan import SELF_ATTENTION, WAN_SP_PLAN, ShardingPlan, SPGather, SPSplit
-from .specs import ShardingError, _pattern_regex, check_wan_model
-
-# Models that currently carry SP hooks, with their hooks' forward state. Weak, so a dropped model
-# is forgotten (the state holds no reference to the model).
-_APPLIED: "weakref.WeakKeyDictionary[torch.nn.Module, ForwardState]" = weakref.WeakKeyDictionary()
-
-
-def sp_state(dit: torch.nn.Module) -> ForwardState | None:
-    """The forward state of the SP hooks on ``dit`` (valid and padded token counts of the forward
-    being traced), ``None`` when it has none."""
-    return _APPLIED.get(dit)
-
+from .plan import SELF_ATTENTION, WAN_SP_POINTS, ShardingPlan, SPGather, SPSplit
+from .specs import ShardingError, pattern_regex, check_wan_model
 
 def _pad_dim(x: torch.Tensor, dim: int, to: int) -> torch.Tensor:
     extra = to - x.shape[dim]
@@ -52,18 +41,6 @@ def _sp_spec(ndim: int, dim: int, axis: str | None) -> tuple:
     spec = [None] * ndim
     spec[dim] = axis
     return tuple(spec)
-
-
-class _Hook(RefusesCopy):
-    """One hook the package installs on a model: a plain callable wrapper, so that copying or
-    pickling the model (which would copy the hook by reference, still bound to the original's
-    forward state and backend) stops with a clear error instead of giving a wrong model."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
 
 
 def _device_check(be: Backend):
@@ -120,7 +97,7 @@ class SPHandle:
             module.set_processor(proc)
         self._hooks.clear()
         self._processors.clear()
-        _APPLIED.pop(self.dit, None)
+        forget_sp(self.dit)
         self.removed = True
 
     def __enter__(self) -> "SPHandle":
@@ -140,6 +117,27 @@ class SPHandle:
             "last_tokens": self.state.valid_len,
             "last_padded_tokens": self.state.padded_len,
         }
+
+
+def check_sp(dit: torch.nn.Module, mesh: Any, padding: str, plan: ShardingPlan | None = None) -> MeshSpec:
+    """Check that SP with ``padding`` fits ``dit`` on ``mesh`` (and ``plan``), changing nothing:
+    a Wan model, a known padding mode, the plan's mesh, every module the SP points name. Returns
+    the mesh with its roles (the plan's when there is one)."""
+    check_wan_model(dit)
+    if padding not in PADDING_MODES:
+        raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_MODES)}")
+    # Roles (which axis is SP, which TP) come from the plan when there is one; the backend only
+    # needs the mesh's shape and axis names.
+    mesh_spec = as_mesh_spec(mesh)
+    if plan is not None:
+        if (mesh_spec.shape, mesh_spec.axis_names) != (plan.mesh_shape, plan.axis_names):
+            raise ShardingError(f"plan is for mesh {plan.mesh()}, not {mesh_spec}")
+        mesh_spec = plan.mesh()
+    modules = dict(dit.named_modules())
+    for point in WAN_SP_POINTS:
+        if point.module not in modules:
+            raise ShardingError(f"model has no module {point.module!r} named by the SP points")
+    return mesh_spec
 
 
 def apply_dit_sp_activation_sharding(
@@ -175,24 +173,13 @@ def apply_dit_sp_activation_sharding(
         BackendError: the backend is missing or sees a different number of devices.
     """
     check_wan_model(dit)
-    if dit in _APPLIED:
+    if has_sp(dit):
         raise ShardingError("sequence parallelism is already applied to this model; call handle.remove() first")
     if padding is None:  # only None means "the default": "" is a bad value, not a request for mask
         padding = plan.padding if plan is not None else DEFAULT_PADDING
-    if padding not in PADDING_MODES:
-        raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_MODES)}")
-    # Roles (which axis is SP, which TP) come from the plan when there is one; the backend only
-    # needs the mesh's shape and axis names.
-    mesh_spec = as_mesh_spec(mesh)
-    if plan is not None:
-        if (mesh_spec.shape, mesh_spec.axis_names) != (plan.mesh_shape, plan.axis_names):
-            raise ShardingError(f"plan is for mesh {plan.mesh()}, not {mesh_spec}")
-        mesh_spec = plan.mesh()
+    mesh_spec = check_sp(dit, mesh, padding, plan)
     be = get_backend(backend, mesh)  # checks the stack and the device count before any change
     modules = dict(dit.named_modules())
-    for point in WAN_SP_PLAN:
-        if point.module not in modules:
-            raise ShardingError(f"model has no module {point.module!r} named by the SP plan")
 
     state = ForwardState()
     handle = SPHandle(dit, mesh_spec, be, padding, [], state)
@@ -214,17 +201,17 @@ def apply_dit_sp_activation_sharding(
 
     check = _device_check(be)
     if check is not None:  # first, so it runs before any other hook of the forward
-        # not a _Hook: the other hooks already refuse copies, and dynamo must see the disabled function itself
+        # not a Hook: the other hooks already refuse copies, and dynamo must see the disabled function itself
         handle._hooks.append(dit.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
 
     split = f"{'replicated -> ' if anchor else ''}pad -> L-on-{sp_axis}"
-    for point in WAN_SP_PLAN:
+    for point in WAN_SP_POINTS:
         module = modules[point.module]
         if isinstance(point, SPSplit) and point.arg is None:  # rope: split both output tables
             def rope_hook(mod, args, out, dim=point.dim):
                 return tuple(shard_tokens(t, dim) for t in out)
 
-            handle._hooks.append(module.register_forward_hook(_Hook(rope_hook)))
+            handle._hooks.append(module.register_forward_hook(Hook(rope_hook)))
             handle.points.append(f"{point.module} outputs: {split}")
         elif isinstance(point, SPSplit):  # block-stack entry
             def entry_hook(mod, args, kwargs, dim=point.dim, arg=point.arg):
@@ -243,7 +230,7 @@ def apply_dit_sp_activation_sharding(
                     return args, {**kwargs, arg: x}
                 return (x, *args[1:]), kwargs
 
-            handle._hooks.append(module.register_forward_pre_hook(_Hook(entry_hook), with_kwargs=True))
+            handle._hooks.append(module.register_forward_pre_hook(Hook(entry_hook), with_kwargs=True))
             handle.points.append(f"{point.module}.{point.arg}: {split}")
         elif isinstance(point, SPGather):  # exit: back to replicated, then drop the padding
             def exit_hook(mod, args, out, dim=point.dim):
@@ -251,7 +238,7 @@ def apply_dit_sp_activation_sharding(
                     out = be.constrain(out, (None,) * out.ndim)
                 return out.narrow(dim, 0, state.valid_len) if state.padded else out
 
-            handle._hooks.append(module.register_forward_hook(_Hook(exit_hook)))
+            handle._hooks.append(module.register_forward_hook(Hook(exit_hook)))
             handle.points.append(f"{point.module} output: replicated, slice to L")
 
     # Wan 2.2 TI2V: per-token timesteps make temb (B, L, D) and timestep_proj (B, L, 6D); they
@@ -263,22 +250,22 @@ def apply_dit_sp_activation_sharding(
         to = padded_length(temb.shape[1], multiple)
         return (_pad_dim(temb, 1, to), _pad_dim(proj, 1, to), *rest)
 
-    handle._hooks.append(modules["condition_embedder"].register_forward_hook(_Hook(cond_hook), with_kwargs=True))
+    handle._hooks.append(modules["condition_embedder"].register_forward_hook(Hook(cond_hook), with_kwargs=True))
 
     if plan is not None and plan.layout == "sharded" and mesh_spec.tp_axis is not None:
         # tt-metal's layout: the residual stream stays TP-sharded on D between blocks.
         residual = (None, sp_axis, mesh_spec.tp_axis)
         for block in dit.blocks:
-            handle._hooks.append(block.register_forward_hook(_Hook(lambda mod, args, out: be.constrain(out, residual))))
+            handle._hooks.append(block.register_forward_hook(Hook(lambda mod, args, out: be.constrain(out, residual))))
         handle.points.append(f"blocks.* outputs: D-on-{mesh_spec.tp_axis}")
 
     mode_cls = PADDING_MODES[padding]
     if mode_cls is not None:
-        rx = _pattern_regex(SELF_ATTENTION)
+        rx = pattern_regex(SELF_ATTENTION)
         for name, module in modules.items():
             if rx.match(name):
                 handle._processors[module] = module.processor
                 module.set_processor(mode_cls(module.processor, state))
 
-    _APPLIED[dit] = state
+    record_sp(dit, state)
     return handle

@@ -16,27 +16,13 @@ floating-point reordering.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .options import DEFAULT_PADDING, PADDING_NAMES  # noqa: F401  (DEFAULT_PADDING re-exported beside the modes)
+from .hooks import ForwardState, RefusesCopy  # noqa: F401  (ForwardState: the processors' shared state)
 from .specs import ShardingError
-
-
-@dataclass
-class ForwardState:
-    """What the hooks of one sharded model share within a forward: the valid and padded token
-    counts (Python ints, static under tracing) and the key mask when the mode builds one."""
-
-    valid_len: int | None = None
-    padded_len: int | None = None
-    key_mask: torch.Tensor | None = None
-
-    @property
-    def padded(self) -> bool:
-        return self.valid_len is not None and self.padded_len != self.valid_len
 
 
 def build_key_mask(valid_len: int, padded_len: int, like: torch.Tensor) -> torch.Tensor:
@@ -47,26 +33,7 @@ def build_key_mask(valid_len: int, padded_len: int, like: torch.Tensor) -> torch
     return torch.where(pos < valid_len, zero, neg).view(1, 1, 1, padded_len)
 
 
-class RefusesCopy:
-    """For the objects the package installs on a model (hooks, attention processors): deep copy and
-    pickling of the model reach them and stop with a clear error. A copy would otherwise keep them
-    bound to the original's forward state and backend and compute wrong results silently."""
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        raise _copy_error()
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise _copy_error()
-
-
-def _copy_error() -> ShardingError:
-    return ShardingError(
-        "a model with sequence parallelism applied cannot be copied or pickled (its hooks belong to the original); "
-        "call handle.remove() first, copy, then apply_dit_sp_activation_sharding to each copy"
-    )
-
-
-class _PaddedAttention(RefusesCopy):
+class PaddedAttention(RefusesCopy):
     """Base for the per-instance processors: falls through to the wrapped processor when the
     forward is not padded or the call is not self-attention."""
 
@@ -93,7 +60,7 @@ class _PaddedAttention(RefusesCopy):
         raise NotImplementedError
 
 
-class MaskPaddedKeys(_PaddedAttention):
+class MaskPaddedKeys(PaddedAttention):
     """Padded keys masked out by the mask built once per forward; the stock processor does the rest."""
 
     mode = "mask"
@@ -102,7 +69,7 @@ class MaskPaddedKeys(_PaddedAttention):
         return self.inner(attn, hidden_states, None, self.state.key_mask, rotary_emb, **kwargs)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Same interleaved-pair rotation as WanAttnProcessor (checked bit-exact in the tests).
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[..., 0::2], sin[..., 1::2]
@@ -112,7 +79,7 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return out.type_as(x)
 
 
-class SliceKV(_PaddedAttention):
+class SliceKV(PaddedAttention):
     """K and V sliced back to the valid tokens before SDPA, in every block (the original design's mode).
 
     The slice has to sit between RoPE and SDPA, inside the processor, so this path restates
@@ -139,7 +106,7 @@ class SliceKV(_PaddedAttention):
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         if rotary_emb is not None:
-            query, key = _apply_rotary(query, *rotary_emb), _apply_rotary(key, *rotary_emb)
+            query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
         key, value = key[:, :keep], value[:, :keep]  # the per-block slice this mode pays for
         out = dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                     backend=self.inner._attention_backend, parallel_config=None)
@@ -147,7 +114,7 @@ class SliceKV(_PaddedAttention):
         return attn.to_out[1](attn.to_out[0](out))
 
 
-PADDING_MODES: dict[str, type[_PaddedAttention] | None] = {
+PADDING_MODES: dict[str, type[PaddedAttention] | None] = {
     "slice": SliceKV,
     "mask": MaskPaddedKeys,
     "none": None,  # no padding at all: per-device token counts may not be tile-aligned

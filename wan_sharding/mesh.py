@@ -100,7 +100,7 @@ class MeshSpec:
             if isinstance(axis, (list, tuple)):
                 axis = tuple(axis) if len(axis) != 1 else axis[0]
                 roles[role] = axis
-            for a in _axes(axis):
+            for a in axes_of(axis):
                 if a not in names:
                     raise MeshError(
                         f"role {role!r} names axis {a!r}, which is not a mesh axis {names}; "
@@ -118,10 +118,10 @@ class MeshSpec:
 
     def axis_size(self, axis: str | tuple[str, ...] | None) -> int:
         """Devices along ``axis`` (a name, a tuple of names: their product, or None: 1)."""
-        for a in _axes(axis):
+        for a in axes_of(axis):
             if a not in self.axis_names:
                 raise MeshError(f"unknown mesh axis {a!r}; this mesh has axes {self.axis_names}")
-        return math.prod(self.shape[self.axis_names.index(a)] for a in _axes(axis))
+        return math.prod(self.shape[self.axis_names.index(a)] for a in axes_of(axis))
 
     @property
     def sp_axis(self) -> str | tuple[str, ...] | None:
@@ -163,7 +163,8 @@ def padded_length(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _axes(axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
+def axes_of(axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes a role's value names: ``None`` -> none, one name, or a tuple of names."""
     if axis is None:
         return ()
     return axis if isinstance(axis, tuple) else (axis,)

@@ -35,7 +35,7 @@ STYLES = (COLWISE, ROWWISE, NORM_COLWISE, REPLICATE)
 
 # Megatron pairs (colwise then rowwise) keep the activation TP-sharded across the nonlinearity,
 # so each pair costs one all-reduce. Head-aligned: 40 heads / TP 4 = 10 whole heads per device.
-WAN_TP_PLAN: Mapping[str, str] = {
+WAN_TP_TABLE: Mapping[str, str] = {
     # -- boundary layers: replicated (entry conv, output projection, final adaLN table) --
     "patch_embedding": REPLICATE,
     "proj_out": REPLICATE,  # small (D -> 64); its output is gathered to replicated
@@ -98,7 +98,7 @@ class SPGather:
 
 # Three of the four entries of diffusers' WanTransformer3DModel._cp_plan (a test checks they
 # agree); its fourth, TI2V's per-token ``timestep``, is not a split point here (module docstring).
-WAN_SP_PLAN: tuple[SPSplit | SPGather, ...] = (
+WAN_SP_POINTS: tuple[SPSplit | SPGather, ...] = (
     SPSplit("rope", dim=1),  # both rope tables, (1, L, 1, head_dim)
     SPSplit("blocks.0", dim=1, arg="hidden_states"),  # (B, L, D) entering the block stack
     SPGather("proj_out", dim=1),  # (B, L, C) before unpatchify

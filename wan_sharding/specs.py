@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .mesh import MeshSpec, as_mesh_spec
-from .plan import COLWISE, NORM_COLWISE, REPLICATE, ROWWISE, STYLES, WAN_TP_PLAN
+from .plan import COLWISE, NORM_COLWISE, REPLICATE, ROWWISE, STYLES, WAN_TP_TABLE
 
 Spec = tuple  # one entry per tensor dim: None or a mesh axis name
 
@@ -34,7 +34,8 @@ def check_wan_model(dit: Any) -> None:
         )
 
 
-def _pattern_regex(pattern: str) -> re.Pattern[str]:
+def pattern_regex(pattern: str) -> re.Pattern[str]:
+    """A plan pattern (``*``: one path component, trailing ``**``: any sub-path) as a regex on module names."""
     if pattern == "":
         return re.compile(r"\A\Z")
     parts = pattern.split(".")
@@ -45,15 +46,15 @@ def _pattern_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(rf"\A{body}(?:\..+)?\Z" if tail_any else rf"\A{body}\Z")
 
 
-def resolve_styles(dit: torch.nn.Module, plan: Mapping[str, str] = WAN_TP_PLAN) -> dict[str, str]:
-    """Map every parameter name to the style of the plan pattern that names its owner module.
+def resolve_styles(dit: torch.nn.Module, tp_table: Mapping[str, str] = WAN_TP_TABLE) -> dict[str, str]:
+    """Map every parameter name to the style of the TP table pattern that names its owner module.
 
     Raises :class:`ShardingError` for a parameter no pattern covers, or two patterns that disagree.
     """
-    for pattern, style in plan.items():
+    for pattern, style in tp_table.items():
         if style not in STYLES:
             raise ShardingError(f"plan entry {pattern!r} has unknown style {style!r}; known: {STYLES}")
-    compiled = [(p, _pattern_regex(p), s) for p, s in plan.items()]
+    compiled = [(p, pattern_regex(p), s) for p, s in tp_table.items()]
     styles: dict[str, str] = {}
     uncovered: list[str] = []
     for name, _ in dit.named_parameters():
@@ -189,37 +190,40 @@ class ShardSpecs(Mapping):
     __repr__ = __str__
 
 
-def shard_dit_specs(dit: torch.nn.Module, mesh: Any, plan: Mapping[str, str] = WAN_TP_PLAN, *,
-                    fsdp: bool = False) -> ShardSpecs:
+def shard_dit_specs(dit: torch.nn.Module, mesh_or_plan: Any, tp_table: Mapping[str, str] = WAN_TP_TABLE, *,
+                    fsdp: bool = False, plan: Any = None) -> ShardSpecs:
     """Megatron tensor-parallel partition specs for every parameter of a Wan DiT.
 
     Args:
         dit: a diffusers ``WanTransformer3DModel`` (real weights or on the ``meta`` device).
-        mesh: a preset name (``"1x4"``, ``"2x4"``, ``"8x4"``), a :class:`MeshSpec`, a torch-xla /
-            JAX mesh, or a :class:`~wan_sharding.plan.ShardingPlan`. The TP role's axis carries the split.
-        plan: module-path pattern -> style (defaults to :data:`WAN_TP_PLAN`), or a whole
-            :class:`~wan_sharding.plan.ShardingPlan` (its mesh roles and ``fsdp`` then apply).
+        mesh_or_plan: a preset name (``"1x4"``, ``"2x4"``, ``"8x4"``), a :class:`MeshSpec`, a
+            torch-xla / JAX mesh, or a :class:`~wan_sharding.plan.ShardingPlan` (its mesh roles and
+            ``fsdp`` then apply). The TP role's axis carries the split.
+        tp_table: module-path pattern -> style (defaults to :data:`WAN_TP_TABLE`).
         fsdp: also shard each large weight over the SP axes (FSDP-style), see ``ShardingPlan``.
+        plan: a :class:`~wan_sharding.plan.ShardingPlan` given beside a mesh; it must be for that
+            mesh's shape.
 
     Returns:
         :class:`ShardSpecs`, a mapping from each parameter tensor to its spec.
 
     Raises:
-        ShardingError: not a Wan model, heads or a sharded dim not divisible by TP, or a parameter
-            the plan does not cover. Nothing is changed on the model.
+        ShardingError: not a Wan model, heads or a sharded dim not divisible by TP, a parameter
+            the TP table does not cover, or a plan for another mesh. Nothing is changed on the model.
     """
     from .plan import ShardingPlan
 
     check_wan_model(dit)
+    mesh = mesh_or_plan
     if isinstance(mesh, ShardingPlan):  # shard_dit_specs(dit, plan)
         mesh, plan = mesh.mesh(), mesh
-    if isinstance(plan, ShardingPlan):
+    if plan is not None:
         if as_mesh_spec(mesh).shape != plan.mesh_shape:
             raise ShardingError(f"plan is for mesh {plan.mesh().name}, not {as_mesh_spec(mesh).name}")
-        mesh, fsdp, plan = plan.mesh(), plan.fsdp or fsdp, WAN_TP_PLAN
+        mesh, fsdp = plan.mesh(), plan.fsdp or fsdp
     mesh = as_mesh_spec(mesh)
     _check_heads(dit, mesh)
-    styles = resolve_styles(dit, plan)
+    styles = resolve_styles(dit, tp_table)
     floor = fsdp_min_numel(dit) if fsdp else FSDP_MIN_NUMEL
     entries = []
     for name, param in dit.named_parameters():

@@ -17,10 +17,15 @@ What the parent guarantees:
   0.7.1 on a 2-core host occasionally deadlocks in its MLIR verifier's thread pool: worker threads
   wait on the dynamic loader's lock, which the main thread holds; seen a few times in about fifty
   JAX worker runs, and a fresh process runs normally). It is killed and started again
-  ``retries_on_stall`` times. One past ``timeout`` is killed.
-- **no orphans**: the worker runs in its own process group, which is killed when the parent leaves
-  :func:`run_worker` for any reason (an exception, Ctrl-C, SIGTERM once
-  :func:`install_signal_handlers` ran); the worker also asks the kernel to kill it if the parent
+  ``retries_on_stall`` times. One past ``timeout`` is killed. The CPU counted is the worker's
+  whole process tree (:func:`tree_cpu_ticks`): at optimization level 1 tt-metal's mock device
+  JIT-builds kernels in child processes (``cc1plus``, ``lto1``, ``ld`` under the compile worker)
+  while the worker itself waits, and that is work, not a hang.
+- **no orphans**: the worker runs in its own process group. Stopping it (:func:`stop_worker`, and
+  whenever the parent leaves :func:`run_worker` for any reason: an exception, Ctrl-C, SIGTERM once
+  :func:`install_signal_handlers` ran, a watchdog kill, the worker's own exit) kills the worker,
+  every descendant and every process left in its group (:func:`kill_tree`), so no compiler it
+  started is left running with parent 1; the worker also asks the kernel to kill it if the parent
   dies without cleaning up (``PR_SET_PDEATHSIG``, Linux).
 
 A long-lived worker (the model process behind ``wan-sharding serve``) is started with
@@ -47,6 +52,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping
+
+from .processes import kill_tree, tree_cpu_ticks
 
 STALL_SECONDS = 90  # a worker that uses (almost) no CPU for this long is hung, not slow
 STALL_CPU_FRACTION = 0.05  # "almost no": under 5 % of one core over the whole window (hung: 2-3 % seen)
@@ -82,12 +89,36 @@ _LIVE_LOCK = threading.Lock()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the worker and anything it started (its own process group)."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=10)
+    """Kill the worker and anything it started (:func:`kill_tree`), then reap it. Also after the
+    worker exited by itself: children it left running (a compiler it had started when it crashed)
+    are still in its process group. Until reaped, an exited worker's pid (its group's id) cannot
+    be taken by another process; :func:`_exited` and :func:`_wait_exit` leave it unreaped."""
+    if proc.returncode is None:  # not reaped yet: the pid and the group are still ours
+        kill_tree(proc.pid, group=proc.pid)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=10)
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether the worker has ended, without reaping it (``Popen.poll`` would)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped elsewhere
+        return True
+    except (AttributeError, OSError):  # no waitid / WNOWAIT on this OS
+        return proc.poll() is not None
+
+
+def _wait_exit(proc: subprocess.Popen) -> None:
+    """Block until the worker ends, without reaping it."""
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        pass
+    except (AttributeError, OSError):
+        proc.wait()
 
 
 @atexit.register
@@ -111,31 +142,29 @@ def install_signal_handlers() -> None:
             signal.signal(sig, _raise)
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """utime + stime of ``pid`` in clock ticks (Linux /proc), or None where unavailable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float | None, state: dict) -> None:
-    """Kill ``proc`` past ``timeout``, or when it used less than :data:`STALL_CPU_FRACTION` of a
-    core over the last ``stall_s`` seconds (``None``: never). A slow or starved worker still uses
-    a good share of a core; the jaxlib deadlock uses almost none, but not none: a thread waiting
-    for the GIL that the blocked thread holds wakes every few milliseconds, so "CPU time has not
-    moved" never fires on it."""
+    """Kill ``proc`` past ``timeout``, or when its process tree (:func:`tree_cpu_ticks`) used less
+    than :data:`STALL_CPU_FRACTION` of a core over the last ``stall_s`` seconds (``None``: never).
+    A slow or starved worker still uses a good share of a core; the jaxlib deadlock uses almost
+    none, but not none: a thread waiting for the GIL that the blocked thread holds wakes every few
+    milliseconds, so "CPU time has not moved" never fires on it.
+
+    When the worker ends by itself, whatever it left running in its group is killed at once: a
+    leftover child holding the worker's stdout would otherwise keep the caller reading."""
     start = time.monotonic()
     per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    samples: list[tuple[float, int]] = []  # (monotonic time, CPU ticks), the last stall_s seconds
-    while proc.poll() is None:
+    samples: list[tuple[float, int]] = []  # (monotonic time, CPU ticks so far), the last stall_s seconds
+    progress, last = 0, None
+    while not _exited(proc):
         time.sleep(1.0)
         now = time.monotonic()
-        ticks = cpu_ticks(proc.pid)
+        ticks = tree_cpu_ticks(proc.pid)
         if ticks is not None:
-            samples.append((now, ticks))
+            # Only increases count: the tree's total drops when a descendant whose parent died
+            # ends (its time leaves the tree), which is no reason to call the worker hung.
+            progress += max(0, ticks - last) if last is not None else 0
+            last = ticks
+            samples.append((now, progress))
         stalled = False
         if stall_s is not None and samples and now - samples[0][0] >= stall_s:
             while len(samples) > 1 and now - samples[1][0] >= stall_s:
@@ -150,6 +179,8 @@ def _watch(proc: subprocess.Popen, timeout: float | None, stall_s: float | None,
             continue
         _kill_group(proc)
         return
+    if proc.returncode is None:  # ended, not reaped: its group id is still its own
+        kill_tree(proc.pid, group=proc.pid)
 
 
 def run_worker(module: str, params: Any, env: Mapping[str, str] | None = None, *, label: str,
@@ -227,7 +258,8 @@ def start_resident_worker(module: str, env: Mapping[str, str] | None = None, *, 
 
 
 def stop_worker(proc: subprocess.Popen) -> None:
-    """Kill a worker and its process group (nothing when it already ended) and forget it."""
+    """Kill a worker, its descendants and what is left in its process group (:func:`kill_tree`;
+    after the worker ended, what it left behind) and forget it."""
     _kill_group(proc)
     with _LIVE_LOCK:
         _LIVE.discard(proc)
@@ -259,7 +291,7 @@ def _run_once(cmd: list[str], payload: str, env: dict[str, str], label: str, ech
                 log.write(line)
             if echo:
                 print(line, end="", flush=True)
-        proc.wait()
+        _wait_exit(proc)  # not reaped: stop_worker below still finds what it left in its group
     finally:
         stop_worker(proc)  # no-op after a normal exit; Ctrl-C or an exception lands here too
         if log is not None:

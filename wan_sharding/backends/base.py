@@ -38,6 +38,9 @@ class Backend(abc.ABC):
     # A block cache's forward (FirstBlockCache, MagCache) runs as a few whole programs cut at the
     # cache's decision (``wan_sharding.caching.programs``), through :meth:`run_cached_device`.
     cache_programs: bool = False
+    # Forwards and cache programs compiled so far, where the backend counts them (``tt``: its
+    # ``torch.compile`` calls); ``None`` where it does not.
+    compiles: int | None = None
 
     def __init__(self, mesh: MeshSpec, native_mesh: Any = None):
         self.mesh = mesh
@@ -46,6 +49,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _make_mesh(self, mesh: MeshSpec) -> Any:
         """Build the backend's mesh over the visible devices (error if the count differs)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where a forward's inputs and the model must be for :meth:`run_device`: the host for
+        backends that keep the torch model where it is (``jax``), the XLA device for torch-xla ones."""
+        return torch.device("cpu")
 
     @abc.abstractmethod
     def place(self, dit: torch.nn.Module, specs: Mapping[torch.Tensor, Spec]) -> Any:
@@ -64,6 +73,13 @@ class Backend(abc.ABC):
         """A device output as a host (CPU) tensor."""
         raise BackendError(f"the {self.name} backend cannot execute here")
 
+    def run_function(self, dit: torch.nn.Module, placed: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(dit, *args)``, torch code over ``dit``'s modules outside any forward (such as the
+        ``prompt_kv`` patch's prompt program), run once on the mesh as a program of its own, with
+        the weights :meth:`place` put there and host tensors in ``args``; its outputs stay on the
+        devices, ready to be passed into a forward. Compiled once per model and ``fn`` object."""
+        raise BackendError(f"the {self.name} backend cannot execute here")
+
     def run(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Run one forward of ``dit`` on the mesh and return the output on the host (CPU)."""
         return self.to_host(self.run_device(dit, placed, *args, **kwargs))
@@ -73,6 +89,15 @@ class Backend(abc.ABC):
         must run on the host at every call. Backends that run the model's Python at every call
         (``xla``: lazy tensors) need nothing more than :meth:`run_device`."""
         return self.run_device(dit, placed, *args, **kwargs)
+
+    def cached_programs(self, dit: torch.nn.Module, placed: Any, programs: Any, args: tuple,
+                        kwargs: dict) -> Callable[[str, dict], dict]:
+        """How a cache's ``programs`` (:class:`~wan_sharding.caching.programs.BlockPrograms` or
+        :class:`~wan_sharding.caching.module_programs.ModulePrograms`, the forward cut at the cache's decisions) run
+        on this backend for these device inputs: ``run(name, handed_over) -> outputs`` runs program
+        ``name``, compiled once per model, program and input signature. Backends with
+        ``cache_programs`` implement it."""
+        raise BackendError(f"the {self.name} backend does not run a cache's programs")
 
     def cache_refusal(self, config: Any) -> str | None:
         """Why this backend cannot honour the diffusers cache ``config`` (one line with the fix), or
@@ -192,12 +217,12 @@ def slice_bytes(shape: tuple[int, ...], index: Any, itemsize: int) -> int:
     return n * itemsize
 
 
-def compiled_cache_program(plan: Any, name: str, dit: torch.nn.Module, backend: str) -> Callable[[tuple, dict, dict], dict]:
-    """A cache plan's program ``name`` (:class:`~wan_sharding.caching.BlockPlan` or
-    :class:`~wan_sharding.caching.ModulePlan`) through
+def compiled_cache_program(programs: Any, name: str, dit: torch.nn.Module, backend: str) -> Callable[[tuple, dict, dict], dict]:
+    """A cache's program ``name`` among its ``programs`` (:class:`~wan_sharding.caching.programs.BlockPrograms` or
+    :class:`~wan_sharding.caching.module_programs.ModulePrograms`) through
     ``torch.compile(backend=backend, dynamic=False)``: called with the forward's inputs and what the
-    plan hands over, it returns the program's outputs; one dynamo graph per program (the plan's
-    body breaks none).
+    previous program handed over, it returns the program's outputs; one dynamo graph per program
+    (the programs' body breaks none).
 
     The program runs the root's ``forward`` itself, not ``dit(...)``: the root's only torch hook is
     the SP device check, a dynamo-disabled function that would split the graph, and the backend
@@ -207,7 +232,7 @@ def compiled_cache_program(plan: Any, name: str, dit: torch.nn.Module, backend: 
     import types
 
     def program(a: tuple, k: dict, given: dict) -> dict:
-        return plan.body(name, lambda: dit.forward(*a, **k, return_dict=False)[0], given)
+        return programs.body(name, lambda: dit.forward(*a, **k, return_dict=False)[0], given)
 
     code = program.__code__.replace(co_name=f"{name}_program")
     fn = types.FunctionType(code, program.__globals__, code.co_name, program.__defaults__, program.__closure__)

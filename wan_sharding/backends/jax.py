@@ -21,6 +21,107 @@ from ..specs import Spec
 from .base import DEVICE_COUNT_FLAG, Backend, BackendError, Program, input_signature, slice_bytes, with_xla_flags
 
 
+def keep_plugins_out_of_cpu_jax() -> None:
+    """In a process that runs JAX on the CPU only (``JAX_PLATFORMS=cpu``), load no PJRT plugin.
+
+    JAX loads every installed plugin when it first makes its backends, whatever ``JAX_PLATFORMS``
+    says. The Tenstorrent plugin (jax-tt-plugin 0.1.3) unpacks its 417 MB tt-metal runtime into
+    ``$TMPDIR`` at every load: 2-10 s per process (measured here), and two processes loading it at
+    once can fail ("failed to extract embedded tt-metal runtime archive") and leave the process
+    stuck until the watchdog stops it. A CPU process never uses the plugin, so it is not loaded.
+    Uses JAX's own "plugins already discovered" flag (jax 0.7.1, ``jax._src.xla_bridge``); a
+    no-op once JAX has made its backends, or on a JAX without that flag."""
+    if os.environ.get("JAX_PLATFORMS") != "cpu":
+        return
+    import jax._src.xla_bridge as xb
+
+    if hasattr(xb, "_plugins_registered") and hasattr(xb, "_plugin_lock"):
+        with xb._plugin_lock:
+            xb._plugins_registered = True
+
+
+# --- torchax lowerings without a multiply by one ------------------------------------------------
+#
+# torchax 0.0.13 lowers ``aten.add`` / ``aten.sub`` as ``x +/- y * alpha`` and ``aten.neg`` as
+# ``-1 * x`` (``torchax/ops/jaten.py``): with alpha 1 that is a multiply by one in the StableHLO,
+# which tt-mlir 0.1.3 keeps (its TTNN module runs a ``multiply`` per such add: 7 per Wan block,
+# docs/compile-hardware.md). The replacements below give the same values, bit for bit, without it
+# (``y * 1`` is ``y`` and ``-1 * x`` is ``-x`` exactly for every non-NaN value), and fall back to
+# torchax's own lowering for anything else (another alpha, bool operands, a Python-scalar operand).
+
+
+def _number(x: Any) -> bool:
+    import jax.numpy as jnp
+
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.number)
+
+
+def _alpha_one(y: Any, alpha: Any) -> bool:
+    """Whether ``y * alpha`` is ``y`` itself, dtype included: alpha the int 1 (a weak type that
+    keeps ``y``'s dtype), or the float 1.0 on a floating ``y`` (an integer ``y`` would turn float)."""
+    import jax.numpy as jnp
+
+    if not _number(y) or isinstance(alpha, bool):
+        return False
+    if isinstance(alpha, int):
+        return alpha == 1
+    return isinstance(alpha, float) and alpha == 1.0 and jnp.issubdtype(y.dtype, jnp.floating)
+
+
+def _add(x: Any, y: Any, *, alpha: Any = 1) -> Any:
+    import torch as _torch
+    from torchax.ops import jaten, mappings
+
+    if not _alpha_one(y, alpha):
+        return jaten._aten_add(x, y, alpha=alpha)
+    res = x + y
+    if isinstance(x, float):  # as torchax's own lowering: a Python float operand gives the default dtype
+        res = res.astype(mappings.t2j_dtype(_torch.get_default_dtype()))
+    return res
+
+
+def _sub(x: Any, y: Any, alpha: Any = 1) -> Any:
+    from torchax.ops import jaten
+
+    if isinstance(x, float) or not _alpha_one(y, alpha):
+        return jaten._aten_sub(x, y, alpha)
+    return x - y
+
+
+def _neg(x: Any) -> Any:
+    import jax.numpy as jnp
+    from torchax.ops import jaten
+
+    if _number(x) and (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.signedinteger)):
+        return jnp.negative(x)
+    return jaten._aten_neg(x)
+
+
+_LEAN_LOWERINGS: list[bool] = []  # installed in this process
+
+
+def install_lean_lowerings() -> None:
+    """Give torchax's default environment the lowerings above for ``aten.add`` / ``aten.sub``
+    (Tensor and Scalar overloads) and ``aten.neg``: the environment's operator table entry that
+    torchax's ``Environment.override_op_definition`` writes, here for a JAX function (that method
+    itself fails in torchax 0.0.13: it leaves ``Operator.is_view_op`` out). Once per process;
+    every JAX backend calls it. Process-wide, like the environment itself: any torchax code in the
+    process gets the same values without the multiply."""
+    if _LEAN_LOWERINGS:
+        return
+    import torch as _torch
+    import torchax
+    from torchax.ops.ops_registry import Operator
+
+    env = torchax.default_env()
+    aten = _torch.ops.aten
+    for op, impl in ((aten.add.Tensor, _add), (aten.add.Scalar, _add), (aten.sub.Tensor, _sub),
+                     (aten.sub.Scalar, _sub), (aten.neg.default, _neg)):
+        env._ops[op] = Operator(op, impl, is_jax_function=True, is_user_defined=True, needs_env=False,
+                                is_view_op=False)
+    _LEAN_LOWERINGS.append(True)
+
+
 class JaxBackend(Backend):
     name = "jax"
     traces_whole_forward = True  # one jax.jit per model: the SP hooks run while tracing
@@ -29,6 +130,7 @@ class JaxBackend(Backend):
     def __init__(self, mesh: MeshSpec, native_mesh: Any = None, devices: list | None = None):
         self._devices = devices
         super().__init__(mesh, native_mesh)
+        install_lean_lowerings()
 
     def _make_mesh(self, mesh: MeshSpec) -> Any:
         try:
@@ -36,6 +138,7 @@ class JaxBackend(Backend):
             from jax.sharding import Mesh
         except ImportError as e:  # pragma: no cover - jax is a hard dependency
             raise BackendError(f"jax is not importable ({e}); install wan_sharding's pinned stack") from e
+        keep_plugins_out_of_cpu_jax()
         devices = self._devices if self._devices is not None else jax.devices()
         if len(devices) < mesh.num_devices or (self._devices is None and len(devices) != mesh.num_devices):
             self.check_device_count(len(devices), f"JAX ({devices[0].platform})")
@@ -63,13 +166,16 @@ class JaxBackend(Backend):
         return out
 
     def place(self, dit: torch.nn.Module, specs: Mapping[torch.Tensor, Spec]) -> dict[str, Any]:
-        """Real weights as sharded JAX arrays (the torch module itself is left as it is)."""
+        """Real weights as sharded JAX arrays (the torch module itself is left as it is); a model on
+        the ``meta`` device gets :meth:`abstract_state` (shapes and shardings: compile-only)."""
         import jax
         import torchax
 
-        env = torchax.default_env()
         tensors = dict(dit.named_parameters())
         tensors.update(dit.named_buffers())
+        if any(t.is_meta for t in tensors.values()):
+            return self.abstract_state(dit, specs)
+        env = torchax.default_env()
         placed = {}
         for name, spec in self.state_specs(dit, specs).items():
             arr = env.t2j_copy(tensors[name].detach())
@@ -163,9 +269,30 @@ class JaxBackend(Backend):
         ``ShapeDtypeStruct`` weights of compile-only): the piece that device holds."""
         return placed_bytes_per_device([placed[n] for n, _ in dit.named_parameters()], self.native_mesh)
 
+    def run_function(self, dit: torch.nn.Module, placed: dict[str, Any], fn: Any, *args: Any) -> Any:
+        """``fn(dit, *args)`` as one ``jax.jit`` over the placed weights (``dit`` reparametrised
+        with them, as ``functional_call`` does) and the inputs, made once per model and ``fn``
+        object; its outputs are JAX arrays on the devices, a forward's inputs as they are."""
+        import jax
+        import torchax
+        from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
+
+        env = torchax.default_env()
+        programs = self.__dict__.setdefault("_function_cache", {}).setdefault(id(dit), {})
+        if fn not in programs:
+            def program(state: dict, tensors: tuple) -> Any:
+                state, tensors = env.j2t_iso((state, tensors))
+                with env, _reparametrize_module(dit, state):
+                    return env.t2j_iso(fn(dit, *tensors))
+
+            programs[fn] = jax.jit(program)
+        jargs, _ = self._device_inputs(args, {})
+        return programs[fn](placed, jargs)
+
     def release(self, dit: torch.nn.Module) -> None:
         self.__dict__.get("_jit_cache", {}).pop(id(dit), None)
-        for cache in ("_program_cache", "_program_weights", "_program_plan", "_unit_cache"):  # a cached forward's programs and pieces
+        for cache in ("_program_cache", "_program_weights", "_live_programs", "_unit_cache",
+                      "_function_cache"):  # a cached forward's programs and pieces, run_function's programs
             self.__dict__.get(cache, {}).pop(id(dit), None)
 
     def _device_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -206,11 +333,11 @@ class JaxBackend(Backend):
         (:meth:`cache_unit_runner`)."""
         import torchax
 
-        from ..caching import model_cache_probe
+        from ..caching.model import model_cache_probe
 
         probe = model_cache_probe(dit)
-        if probe is not None and probe.plan is not None:
-            return probe.plan.forward(self.cached_programs(dit, placed, probe.plan, args, kwargs), probe.stats)
+        if probe is not None and probe.programs is not None:
+            return probe.programs.forward(self.cached_programs(dit, placed, probe.programs, args, kwargs), probe.stats)
         env = torchax.default_env()
         jargs, jkwargs = self._device_inputs(args, kwargs)
         # The pieces are compiled per input signature of the whole forward: SP's Python state (the
@@ -221,31 +348,31 @@ class JaxBackend(Backend):
             out = torch.func.functional_call(dit, state, targs, {**tkwargs, "return_dict": False})[0]
         return env.t2j_iso(out)
 
-    def cached_programs(self, dit: torch.nn.Module, placed: dict[str, Any], plan: Any, args: tuple,
+    def cached_programs(self, dit: torch.nn.Module, placed: dict[str, Any], programs: Any, args: tuple,
                         kwargs: dict) -> Any:
-        """How ``plan`` (a :class:`~wan_sharding.caching.BlockPlan` or ``ModulePlan``) runs its programs for these
+        """How a cache's ``programs`` (:class:`~wan_sharding.caching.programs.BlockPrograms` or ``ModulePrograms``) run for these
         inputs: each program a ``jax.jit`` of the whole forward (weights and inputs as arguments,
-        so nothing is baked in), made once per model, plan, program, input signature and the
+        so nothing is baked in), made once per model, cache, program, input signature and the
         structure of what the previous program handed over; kept across enable/disable."""
         import jax
         import torchax
 
         env = torchax.default_env()
         jargs, jkwargs = self._device_inputs(args, kwargs)
-        programs = self.__dict__.setdefault("_program_cache", {}).setdefault(id(dit), {})
+        compiled = self.__dict__.setdefault("_program_cache", {}).setdefault(id(dit), {})
         weights_of = self.__dict__.setdefault("_program_weights", {}).setdefault(id(dit), {})
         signature = input_signature((args, kwargs))
-        # Programs are kept across enable/disable (same plan key); a cache enabled again is a new
-        # plan over new hooks, so a program that jax traces again must trace the live plan.
-        live = self.__dict__.setdefault("_program_plan", {})
-        live[id(dit)] = plan
+        # Compiled programs are kept across enable/disable (same key); a cache enabled again has new
+        # programs over new hooks, so a program that jax traces again must trace the live ones.
+        live = self.__dict__.setdefault("_live_programs", {})
+        live[id(dit)] = programs
 
         def run(name: str, extra: dict) -> dict:
-            key = (plan.key, name, signature, jax.tree_util.tree_structure(extra))
-            if key not in programs:
+            key = (programs.key, name, signature, jax.tree_util.tree_structure(extra))
+            if key not in compiled:
                 # Only the weights the program reads: each array passed costs dispatch time on the
                 # host (per device), and a reuse path reads none of the skipped blocks'.
-                skipped = tuple(m + "." for m in plan.skipped_modules(name, extra))
+                skipped = tuple(m + "." for m in programs.skipped_modules(name, extra))
                 weights_of[key] = {k: v for k, v in placed.items() if not k.startswith(skipped)}
 
                 def program(state: dict, a: tuple, k: dict, given: dict) -> Any:
@@ -254,8 +381,8 @@ class JaxBackend(Backend):
                         forward = lambda: torch.func.functional_call(dit, state, a, {**k, "return_dict": False})[0]  # noqa: E731
                         return env.t2j_iso(live[id(dit)].body(name, forward, given))
 
-                programs[key] = jax.jit(program)
-            return programs[key](weights_of[key], jargs, jkwargs, extra)
+                compiled[key] = jax.jit(program)
+            return compiled[key](weights_of[key], jargs, jkwargs, extra)
 
         return run
 

@@ -280,16 +280,16 @@ class TTBackend(XlaBackend):
         cached forward keeps trace replay. Any other cache runs
         lazily, as on the ``xla`` backend: the hooks' decisions cut the lazy graph, and each piece
         between them is compiled once by the TT plugin and reused by graph hash."""
-        from ..caching import model_cache_probe
+        from ..caching.model import model_cache_probe
 
         probe = model_cache_probe(dit)
-        if probe is None or probe.plan is None:
+        if probe is None or probe.programs is None:
             return XlaBackend.run_device(self, dit, placed, *args, **kwargs)
         args, kwargs = self._to_device(args, kwargs)
-        return probe.plan.forward(self.cached_programs(dit, probe.plan, args, kwargs), probe.stats)
+        return probe.programs.forward(self.cached_programs(dit, placed, probe.programs, args, kwargs), probe.stats)
 
-    def cached_programs(self, dit: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> Any:
-        """How ``plan`` runs its programs on tt: each one ``torch.compile(backend="tt")`` of the
+    def cached_programs(self, dit: torch.nn.Module, placed: Any, programs: Any, args: tuple, kwargs: dict) -> Any:
+        """How a cache's ``programs`` run on tt: each one ``torch.compile(backend="tt")`` of the
         program's function, made (after the compile options are applied, as for a whole forward)
         once per model, program and signature of its inputs; kept with the model's compiled
         forwards, so ``release`` drops them too."""
@@ -298,17 +298,17 @@ class TTBackend(XlaBackend):
             entry = self._compiled[id(dit)] = (dit, {})
         signature = (input_signature(args), input_signature(kwargs))
         self.pin_norms(dit)
-        # A cache enabled again is a new plan over new hooks, which dynamo's guards on the old
-        # programs hold: those are dropped, and this plan's programs are compiled afresh.
-        for key in [k for k in entry[1] if k[0] == "cached" and k[1] is not plan]:
+        # A cache enabled again has new programs over new hooks, which dynamo's guards on the old
+        # ones hold: those are dropped, and these are compiled afresh.
+        for key in [k for k in entry[1] if k[0] == "cached" and k[1] is not programs]:
             del entry[1][key]
 
         def run(name: str, extra: dict) -> dict:
-            key = ("cached", plan, name, signature, input_signature(extra))
+            key = ("cached", programs, name, signature, input_signature(extra))
             compiled = entry[1].get(key)
             if compiled is None:
                 _apply_compile_options(self.compile_options.to_torch_xla())
-                compiled = entry[1][key] = compiled_cache_program(plan, name, dit, "tt")
+                compiled = entry[1][key] = compiled_cache_program(programs, name, dit, "tt")
                 self.compiles += 1
             return compiled(args, kwargs, extra)
 

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..hooks import Hook, sp_state
 from ..mesh import MeshSpec
 from ..plan import NORM_COLWISE
 from ..specs import Spec, resolve_styles
@@ -52,7 +53,7 @@ def pin_axes(mesh: MeshSpec) -> tuple[Any, Any]:
 
 
 def tp_split_norms(dit: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The model's ``nn.RMSNorm`` modules whose channels the TP plan splits (``norm_colwise``:
+    """The model's ``nn.RMSNorm`` modules whose channels the TP table splits (``norm_colwise``:
     Wan's ``norm_q``, ``norm_k``, ``norm_added_k``), by name."""
     owners = {name.rpartition(".")[0] for name, style in resolve_styles(dit).items() if style == NORM_COLWISE}
     return {name: m for name, m in dit.named_modules() if name in owners and isinstance(m, torch.nn.RMSNorm)}
@@ -92,8 +93,6 @@ class NormPins:
     off. Holds no reference to the model, so a backend can keep it in a weak map keyed by it."""
 
     def __init__(self, backend: Any, dit: torch.nn.Module):
-        from ..activation import _Hook, sp_state
-
         self.backend = backend
         self.axes = pin_axes(backend.mesh)  # read here: dynamo cannot trace the mesh's axis sizes
         # The SP hooks' forward state: its padded length says which token dims they split.
@@ -102,13 +101,11 @@ class NormPins:
         self._handles: list[Any] = []
         modules = dict(dit.named_modules())
         for name in self.names:
-            self._handles.append(modules[name].register_forward_pre_hook(_Hook(self._pin_input)))
-            self._handles.append(modules[name].register_forward_hook(_Hook(self._pin_result)))
+            self._handles.append(modules[name].register_forward_pre_hook(Hook(self._pin_input)))
+            self._handles.append(modules[name].register_forward_hook(Hook(self._pin_result)))
 
     def stale(self, dit: torch.nn.Module) -> bool:
         """Whether the model's SP hooks changed since the pins were placed."""
-        from ..activation import sp_state
-
         return sp_state(dit) is not self.state
 
     def _specs(self, x: torch.Tensor) -> tuple[Spec, Spec, Spec]:

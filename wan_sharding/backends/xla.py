@@ -138,62 +138,76 @@ class XlaBackend(Backend):
         args, kwargs = self._to_device(args, kwargs)
         return dit(*args, **kwargs, return_dict=False)[0]
 
+    def run_function(self, dit: torch.nn.Module, placed: Any, fn: Any, *args: Any) -> Any:
+        """``fn(dit, *args)`` traced lazily on the device and materialised at once
+        (``torch_xla.sync()``): one graph, compiled once and found again by graph hash; its outputs
+        are then device data, so a later forward reads them instead of recomputing them."""
+        import torch_xla
+
+        args, _ = self._to_device(args, {})
+        out = fn(dit, *args)
+        torch_xla.sync()
+        return out
+
     def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One forward with the cache hooks live. A block cache (FirstBlockCache, MagCache) or a
         per-module one (TaylorSeer, PAB) runs as its few programs (:meth:`cached_programs`); any
         other cache runs lazily like any forward, its decisions cutting the lazy graph."""
-        from ..caching import model_cache_probe
+        from ..caching.model import model_cache_probe
 
         probe = model_cache_probe(dit)
-        if probe is None or probe.plan is None:
+        if probe is None or probe.programs is None:
             return self.run_device(dit, placed, *args, **kwargs)
         args, kwargs = self._to_device(args, kwargs)
-        return probe.plan.forward(self.cached_programs(dit, probe.plan, args, kwargs), probe.stats)
+        return probe.programs.forward(self.cached_programs(dit, placed, probe.programs, args, kwargs), probe.stats)
 
-    def cached_programs(self, dit: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> Any:
-        """How ``plan`` runs its programs here: each through ``torch.compile(backend="openxla")``
+    def cached_programs(self, dit: torch.nn.Module, placed: Any, programs: Any, args: tuple, kwargs: dict) -> Any:
+        """How a cache's ``programs`` run here: each through ``torch.compile(backend="openxla")``
         (torch-xla's dynamo bridge), made once per model, program and signature of its inputs and
         kept on the backend until ``release``. Dynamo traces the program once; every later call
         runs the compiled XLA graph on the device values given, with no Python tracing of the
         model (the lazy path traces the whole model's Python at every call, which here costs about
         as much as running the blocks; see docs/caching.md).
 
-        The per-module caches' programs (:class:`~wan_sharding.caching.module_plans.ModulePlan`)
+        The per-module caches' programs (:class:`~wan_sharding.caching.module_programs.ModulePrograms`)
         run lazily instead: each traced at every call and cut off with ``torch_xla.sync()``, one
         graph found again by hash. Through the dynamo bridge, PAB's ``attn1:compute attn2:reuse``
         program gave a wrong result when replayed (max-abs 1.2e-2 against unsharded; its traced
-        first call was right); the cause is not found, so no module plan is replayed here."""
-        from ..caching.module_plans import ModulePlan
+        first call was right); the cause is not found, so no per-module cache's program is replayed here."""
+        from ..caching.module_programs import ModulePrograms
 
-        if isinstance(plan, ModulePlan):
-            return self._lazy_programs(dit, plan, args, kwargs)
-        programs = self.__dict__.setdefault("_cache_programs", {})
-        entry = programs.get(id(dit))
-        if entry is None or entry[0] is not dit or entry[1] is not plan:
-            # A cache enabled again is a new plan over new hooks: dynamo would trace each program
-            # again (its guards hold the hooks), so the last plan's programs are dropped, not kept
-            entry = programs[id(dit)] = (dit, plan, {})
+        if isinstance(programs, ModulePrograms) or any(isinstance(v, dict) for v in kwargs.values()):
+            # and a prompt_kv state among the inputs: replayed through the dynamo bridge, a block
+            # cache's program read the K / V (and weights) it was traced with instead of the ones
+            # given (FirstBlockCache's head for the second prompt: max-abs 6e-3); lazily it is exact
+            return self._lazy_programs(dit, programs, args, kwargs)
+        kept = self.__dict__.setdefault("_cache_programs", {})
+        entry = kept.get(id(dit))
+        if entry is None or entry[0] is not dit or entry[1] is not programs:
+            # A cache enabled again has new programs over new hooks: dynamo would trace each one
+            # again (its guards hold the hooks), so the last cache's compiled programs are dropped
+            entry = kept[id(dit)] = (dit, programs, {})
         signature = (input_signature(args), input_signature(kwargs))
         self._mesh_for_dynamo()
         self._replicate_inputs(args, kwargs)
 
         def run(name: str, extra: dict) -> dict:
-            key = (plan.key, name, signature, input_signature(extra))
+            key = (programs.key, name, signature, input_signature(extra))
             compiled = entry[2].get(key)
             if compiled is None:
-                compiled = entry[2][key] = compiled_cache_program(plan, name, dit, "openxla")
+                compiled = entry[2][key] = compiled_cache_program(programs, name, dit, "openxla")
             return compiled(args, kwargs, extra)
 
         return run
 
     @staticmethod
-    def _lazy_programs(dit: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> Any:
+    def _lazy_programs(dit: torch.nn.Module, programs: Any, args: tuple, kwargs: dict) -> Any:
         """Each program traced lazily at every call and ended with ``torch_xla.sync()``: one graph,
         compiled once and found again by graph hash; what it hands on is materialised."""
         import torch_xla
 
         def run(name: str, extra: dict) -> dict:
-            out = plan.body(name, lambda: dit(*args, **kwargs, return_dict=False)[0], extra)
+            out = programs.body(name, lambda: dit(*args, **kwargs, return_dict=False)[0], extra)
             torch_xla.sync()
             return out
 

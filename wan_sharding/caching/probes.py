@@ -11,10 +11,10 @@ same module, so it sees exactly the calls the cache lets through:
 - with a ``unit_runner`` (the ``jax`` backend), the inner hook also runs the module's own forward as
   one compiled piece. Every other module whose subtree holds no cache hook runs as a compiled piece
   too, so only the code between the cache's decisions runs op by op on the host;
-- with a plan (on a backend with cache programs: :mod:`.programs` for FirstBlockCache and MagCache,
-  :mod:`.module_plans` for TaylorSeer and PAB), the inner hooks of the hooked modules (and of the
-  modules before the blocks) replace or record outputs while the plan traces one of its
-  whole-forward programs, and the plan counts the calls.
+- with cache programs (on a backend that runs a cached forward as whole programs: :mod:`.programs`
+  for FirstBlockCache and MagCache, :mod:`.module_programs` for TaylorSeer and PAB), the inner hooks
+  of the hooked modules (and of the modules before the blocks) replace or record outputs while one
+  of the programs is traced, and the programs count the calls.
 
 To sit under the cache hooks, the probe's hooks must be registered first. :func:`install_probe`
 therefore applies the config once to find the modules it hooks, takes it off, registers the inner
@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from .module_plans import ModulePlan, module_plan
-from .programs import BlockPlan, block_cache_kind, root_prefix
+from .module_programs import ModulePrograms, module_programs_for
+from .programs import BlockPrograms, block_cache_kind, root_prefix
 
 INNER_HOOK = "wan_sharding_cache_probe"
 
@@ -96,21 +96,21 @@ def _inner_hook_class():
 
     class InnerHook(ModelHook):
         def __init__(self, name: str, stats: CacheStats | None, runner: UnitRunner | None, post: OutputFix | None,
-                     plan: BlockPlan | None = None):
+                     programs: BlockPrograms | None = None):
             super().__init__()
-            self.name, self.stats, self.runner, self.post, self.plan = name, stats, runner, post, plan
+            self.name, self.stats, self.runner, self.post, self.programs = name, stats, runner, post, programs
 
         def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            trace = self.plan.trace if self.plan is not None else None
-            if trace is not None:  # a block plan's program is being traced: replace or record, count nothing
+            trace = self.programs.trace if self.programs is not None else None
+            if trace is not None:  # one of the block programs is being traced: replace or record, count nothing
                 if self.name in trace.replace:
-                    return trace.replace[self.name](self.plan.hidden_states(args, kwargs) if self.name in self.plan.blocks
+                    return trace.replace[self.name](self.programs.hidden_states(args, kwargs) if self.name in self.programs.blocks
                                                     else None)
                 out = self.fn_ref.original_forward(*args, **kwargs)
                 out = out if self.post is None else self.post(self.name, out)
                 if self.name in trace.record:
                     trace.recorded[self.name] = (
-                        self.plan.hidden_states(args, kwargs) if self.name in self.plan.blocks else None, out)
+                        self.programs.hidden_states(args, kwargs) if self.name in self.programs.blocks else None, out)
                 return out
             if self.stats is not None:
                 self.stats.computed[self.name] = self.stats.computed.get(self.name, 0) + 1
@@ -133,8 +133,8 @@ class CacheProbe:
     stats: CacheStats
     hooked: list[str]
     units: list[str]
-    plan: BlockPlan | ModulePlan | None = None  # the cache run as whole programs (.programs, .module_plans)
-    programs: bool = False  # installed for a backend that runs caches as programs (install_probe's)
+    programs: BlockPrograms | ModulePrograms | None = None  # the cache run as whole programs (.programs, .module_programs)
+    as_programs: bool = False  # installed for a backend that runs caches as programs (install_probe's)
     _inner: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _torch_hooks: list = field(default_factory=list, repr=False)
     removed: bool = False
@@ -157,16 +157,16 @@ class CacheProbe:
 
 
 def install_probe(dit: torch.nn.Module, config: Any, runner: UnitRunner | None = None,
-                  count: bool = True, post: OutputFix | None = None, programs: bool = False) -> CacheProbe:
+                  count: bool = True, post: OutputFix | None = None, as_programs: bool = False) -> CacheProbe:
     """Enable ``config`` on ``dit`` (diffusers' ``enable_cache``) with a probe under every cache hook.
 
     ``runner``: how a compiling backend runs one piece (see the module docstring); ``None`` runs the
     model as it is (eager or lazy backends, the unsharded model). ``count``: keep :class:`CacheStats`.
     ``post``: applied to each cache-hooked module's output before its cache hook sees it.
-    ``programs``: a block cache (FirstBlockCache, MagCache) gets a :class:`~.programs.BlockPlan`,
-    a per-module one (TaylorSeer, PAB) a :class:`~.module_plans.ModulePlan` (``probe.plan``), which
+    ``as_programs``: a block cache (FirstBlockCache, MagCache) gets a :class:`~.programs.BlockPrograms`,
+    a per-module one (TaylorSeer, PAB) a :class:`~.module_programs.ModulePrograms` (``probe.programs``), which
     the backend runs as a few whole programs instead of ``runner``'s pieces (``None`` where
-    :func:`~.module_plans.module_plan_refusal` says why not: then ``runner``'s pieces).
+    :func:`~.module_programs.module_plan_refusal` says why not: then ``runner``'s pieces).
     Raises what diffusers raises for an unsupported config or a cache already enabled.
     """
     if dit.is_cache_enabled:
@@ -181,30 +181,30 @@ def install_probe(dit: torch.nn.Module, config: Any, runner: UnitRunner | None =
             f"{type(config).__name__} hooks no module of this {type(dit).__name__}: it would skip nothing; "
             "set its identifiers to Wan module names (wan_sharding.caching.wan_cache_config gives ones that act)"
         )
-    kind = block_cache_kind(config) if programs else None
-    plan = BlockPlan(dit, kind, hooked, root_prefix(dit)) if kind is not None else None
-    if programs and plan is None:  # TaylorSeer, PAB: one program per decision pattern (.module_plans)
-        plan = module_plan(dit, config, hooked)
-    units = compiled_units(dit, set(hooked)) if runner is not None and plan is None else []
+    kind = block_cache_kind(config) if as_programs else None
+    programs = BlockPrograms(dit, kind, hooked, root_prefix(dit)) if kind is not None else None
+    if as_programs and programs is None:  # TaylorSeer, PAB: one program per decision pattern (.module_programs)
+        programs = module_programs_for(dit, config, hooked)
+    units = compiled_units(dit, set(hooked)) if runner is not None and programs is None else []
     stats = CacheStats()
-    probe = CacheProbe(dit, config, stats, hooked, units, plan, programs)
+    probe = CacheProbe(dit, config, stats, hooked, units, programs, as_programs)
     modules = dict(dit.named_modules())
     InnerHook = _inner_hook_class()
     from diffusers.hooks.hooks import HookRegistry
 
     try:
-        for name in dict.fromkeys(hooked + units + (plan.prefix if plan is not None else [])):
+        for name in dict.fromkeys(hooked + units + (programs.prefix if programs is not None else [])):
             module = modules[name]
             is_hooked = name in hooked
             HookRegistry.check_if_exists_or_initialize(module).register_hook(
                 InnerHook(name, stats if (count and is_hooked) else None, runner if name in units else None,
-                          post if is_hooked else None, plan),
+                          post if is_hooked else None, programs),
                 INNER_HOOK)
             probe._inner.append(module)
-            if plan is not None and is_hooked:
-                plan.below[name] = module.forward  # the probe's level: what the cache hook will wrap
+            if programs is not None and is_hooked:
+                programs.below[name] = module.forward  # the probe's level: what the cache hook will wrap
             if count and is_hooked:
-                probe._torch_hooks.append(module.register_forward_pre_hook(_counter(name, stats, plan)))
+                probe._torch_hooks.append(module.register_forward_pre_hook(_counter(name, stats, programs)))
         dit.enable_cache(config)  # now on top of the probes
     except BaseException:
         probe.remove(keep_cache=False)
@@ -212,10 +212,10 @@ def install_probe(dit: torch.nn.Module, config: Any, runner: UnitRunner | None =
     return probe
 
 
-def _counter(name: str, stats: CacheStats, plan: BlockPlan | None = None) -> Callable:
+def _counter(name: str, stats: CacheStats, programs: BlockPrograms | None = None) -> Callable:
     def pre_hook(module: torch.nn.Module, args: tuple) -> None:
-        if plan is not None and plan.trace is not None:
-            return  # a program being traced: BlockPlan.forward counts the forwards it runs
+        if programs is not None and programs.trace is not None:
+            return  # a program being traced: BlockPrograms.forward counts the forwards it runs
         stats.calls[name] = stats.calls.get(name, 0) + 1
         stats.decisions.append((name, False))  # the inner hook turns it to True if it computes
 

@@ -2,7 +2,7 @@
 
 diffusers' block caches decide once per forward, at the first block, whether the rest of the stack
 runs. Driven hook by hook, a compiling backend pays a dispatch per module and runs the model's own
-Python op by op between them. A :class:`BlockPlan` instead cuts the forward at that one decision
+Python op by op between them. A :class:`BlockPrograms` instead cuts the forward at that one decision
 and runs each side as one program, compiled once per input signature by the backend:
 
 - FirstBlockCache: ``head`` (embedders, rope, ``blocks.0`` and the cache's statistic, the relative
@@ -17,7 +17,7 @@ and runs each side as one program, compiled once per input signature by the back
 
 A program is the model's own forward traced with the cache hooks stepped over (each hooked block
 runs the forward under its cache hook, :attr:`CacheProbe.below`) and with some modules' outputs
-given instead of computed (the inner probe hooks do it while :attr:`BlockPlan.trace` is set):
+given instead of computed (the inner probe hooks do it while :attr:`BlockPrograms.trace` is set):
 an identity for a block the cache skips, a value computed by an earlier program (the embedders'
 outputs, the first block's output). Outputs a program does not return are dead code to the compiler.
 
@@ -67,7 +67,7 @@ class ForwardTiming:
 
 
 def block_cache_kind(config: Any) -> str | None:
-    """``"fbc"`` / ``"mag"`` for a config a :class:`BlockPlan` runs, else ``None`` (MagCache in
+    """``"fbc"`` / ``"mag"`` for a config a :class:`BlockPrograms` runs, else ``None`` (MagCache in
     calibration mode runs hook by hook: it reads a norm back after every block stack)."""
     name = type(config).__name__
     if name == "FirstBlockCacheConfig":
@@ -77,7 +77,7 @@ def block_cache_kind(config: Any) -> str | None:
     return None
 
 
-class BlockPlan:
+class BlockPrograms:
     """How one DiT's block cache runs as whole programs (see the module docstring)."""
 
     def __init__(self, dit: torch.nn.Module, kind: str, hooked: list[str], prefix: list[str]):

@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+from .model import disable_model_cache, enable_model_cache, model_cache_stats
+
 CACHE_KINDS = ("none", "fbc", "mag", "taylorseer", "pab")
 
 # Wan module names the per-module caches act on.
@@ -118,7 +120,6 @@ def calibrate_mag_ratios(models: dict[str, tuple[torch.nn.Module, int]], run: Ca
     from diffusers.hooks import MagCacheConfig
     from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK
 
-    from . import disable_model_cache, enable_model_cache
 
     ratios: dict[str, list[float]] = {}
     enabled, taps = [], []
@@ -160,7 +161,6 @@ def enable_pipeline_cache(pipe: Any, kind: str, steps: int, mag_ratios: dict[str
                           **overrides: Any) -> dict[str, Any]:
     """Enable a ``kind`` cache (:func:`wan_cache_config`) on every expert of ``pipe`` that runs at
     least one of ``steps`` steps, sharded (through its stand-in) or not; returns the configs."""
-    from . import enable_model_cache
 
     per_expert = expert_steps(pipe, steps)
     configs = {}
@@ -179,7 +179,6 @@ def enable_pipeline_cache(pipe: Any, kind: str, steps: int, mag_ratios: dict[str
 
 def disable_pipeline_cache(pipe: Any) -> None:
     """Disable the cache on every expert of ``pipe`` that has one."""
-    from . import disable_model_cache
 
     for _, component, dit in pipeline_experts(pipe):
         if dit.is_cache_enabled:
@@ -189,7 +188,6 @@ def disable_pipeline_cache(pipe: Any) -> None:
 def reset_pipeline_cache(pipe: Any) -> None:
     """Clear every expert's cache state and statistics, so the next call starts like the first
     (the Wan pipelines do not reset cache state between calls)."""
-    from . import model_cache_stats
 
     for _, _, dit in pipeline_experts(pipe):
         if dit.is_cache_enabled:
@@ -202,7 +200,6 @@ def reset_pipeline_cache(pipe: Any) -> None:
 def pipeline_cache_stats(pipe: Any) -> dict[str, dict[str, Any]]:
     """Per expert with a cache: calls, computed, skipped (of the cache-hooked modules) and each
     call's decision in order."""
-    from . import model_cache_stats
 
     out = {}
     for name, _, dit in pipeline_experts(pipe):

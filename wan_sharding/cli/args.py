@@ -58,12 +58,24 @@ def stack_missing(backends: Iterable[str]) -> bool:
     return False
 
 
-def add_patches(ap: argparse.ArgumentParser) -> None:
-    """``--patches NAME ...``: opt-in model rewrites applied before sharding (``wan_sharding.patches``)."""
-    from ..patches import PATCHES
+class _PatchNames(argparse.Action):
+    """Stores the names with ``exact`` replaced by every exact patch (``wan_sharding.patches.patch_names``)."""
 
-    ap.add_argument("--patches", nargs="+", default=[], choices=list(PATCHES), metavar="PATCH",
-                    help=f"model rewrites applied before sharding: {', '.join(PATCHES)} (default none)")
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ..patches import patch_names
+
+        setattr(namespace, self.dest, patch_names(values))
+
+
+def add_patches(ap: argparse.ArgumentParser) -> None:
+    """``--patches NAME ...``: opt-in model rewrites applied before sharding (``wan_sharding.patches``);
+    ``exact`` selects every exact one."""
+    from ..patches import EXACT, EXACT_PATCHES, PATCHES
+
+    ap.add_argument("--patches", nargs="+", default=[], choices=[*PATCHES, EXACT], metavar="PATCH",
+                    action=_PatchNames,
+                    help=f"model rewrites applied before sharding: {', '.join(PATCHES)}, or {EXACT} for every exact one "
+                         f"({' '.join(EXACT_PATCHES)}) (default none)")
 
 
 def add_cache(ap: argparse.ArgumentParser) -> None:

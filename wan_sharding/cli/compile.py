@@ -79,6 +79,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
             frontend=args.frontend, patches=tuple(args.patches),
             composites="none" if args.no_fused_sdpa else args.composites, compile_options=args.compile_options,
+            mark_arguments=not args.no_argument_marks,
             resolution=args.resolution if args.latent is None else None,
             out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
         )
@@ -144,6 +145,9 @@ def add_subcommands(sub: Any) -> None:
                         "experimental-enable-dram-space-saving-optimization=true,enable_trace=true); e.g. "
                         "optimization_level=0")
     c.add_argument("--no-fused-sdpa", action="store_true", help="the same as --composites none")
+    c.add_argument("--no-argument-marks", action="store_true",
+                   help="do not mark arguments as parameter / constant / input the way tt-xla does on hardware "
+                        "(every argument then counts as an input and weights are prepared in every step)")
     c.add_argument("--no-anchor", action="store_true",
                    help="drop the replicated constraint before each L-on-SP split (shows why it is there)")
     c.add_argument("--out", default=None, help="folder for IRs, logs and report.json (default: a new temp folder, "

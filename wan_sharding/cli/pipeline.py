@@ -10,6 +10,7 @@ from typing import Any
 from ..jobs.generate import __doc__ as GENERATE_DOC
 from ..jobs.generate import run_generate
 from ..jobs.launch import UNSHARDED
+from ..jobs.requests import check_video_format
 from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
@@ -31,6 +32,7 @@ def worker_params(args: argparse.Namespace) -> dict[str, Any]:
 def _validate_generate(args: argparse.Namespace) -> None:
     apply_plan(args, "2x4")
     check_generate(args)
+    check_video_format(args.video_format)
 
 
 def _validate_profile(args: argparse.Namespace) -> None:
@@ -90,6 +92,8 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument("--negative-prompt", default="")
     g.add_argument("--guidance-scale", type=float, default=4.0)
     add_dtype(g, None, help="default: fp32 tiny, bf16 with --model")
+    g.add_argument("--video-format", default="mp4", choices=["mp4", "gif"], help="the video's format: H.264 MP4 "
+                                                                                 "(default) or an animated GIF")
     g.add_argument("--out", default="results/generate", help="directory for the video and the JSON summary")
     g.add_argument("--compare", action="store_true",
                    help="also run it unsharded with the same seed and print the PCC of the final latents")

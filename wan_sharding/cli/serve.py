@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..jobs.requests import check_video_format
 from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
 from .pipeline import add_pipeline_source, worker_params
 from .validate import (
@@ -24,14 +25,21 @@ DEFAULT_PORT = 8765
 
 
 def check_serve(args: argparse.Namespace) -> None:
-    """``serve``: the checks of ``generate`` on the request defaults, a writable store, a port, and
-    an API key whenever the server listens beyond this machine."""
-    from ..serve.server import API_KEY_ENV, api_key_from, is_loopback
+    """``serve``: the checks of ``generate`` on the request defaults, a mesh that splits into
+    ``--replicas`` meshes the model shards on, a writable store, a port, and an API key whenever
+    the server listens beyond this machine."""
+    from ..pipeline.video import mp4_encoder_missing
+    from ..serve.server import API_KEY_ENV, api_key_from, is_loopback, replicas_of
 
     check_counts({f"--{flag}": getattr(args, flag) for flag in ("steps", "frames", "height", "width")})
     if args.model is not None:
         model_dir(args.model)
     check_video(args.frames, args.height, args.width, args.variant, args.model)
+    missing = mp4_encoder_missing()
+    if missing:  # a request gets MP4 unless it asks for a GIF
+        raise UsageError(f"{missing}: the server writes MP4 videos")
+    replicas_of({"replicas": args.replicas, "variant": args.variant, "model": args.model, "mesh": args.mesh,
+                 "plan": args.plan.to_dict() if args.plan is not None else None})
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: not a TCP port; use 1-65535 (0: any free port)")
     output_dir(args.store, "--store")
@@ -48,6 +56,16 @@ def _validate_serve(args: argparse.Namespace) -> None:
 
 def _validate_submit(args: argparse.Namespace) -> None:
     output_dir(args.out, "--out")
+    if args.image is not None:
+        from ..serve.client import read_image
+
+        read_image(args.image, "--image")
+        if args.frame_pos < 0:
+            raise UsageError(f"--frame-pos {args.frame_pos}: must be >= 0 (0: the first frame)")
+    elif args.frame_pos:
+        raise UsageError("--frame-pos places the --image; pass --image PATH with it")
+    if args.video_format == "mp4":
+        check_video_format("mp4")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -66,11 +84,11 @@ def _submit(args: argparse.Namespace) -> int:
     client = Client(args.server, api_key=args.api_key)
     fields = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
                   seed=args.seed, guidance_scale=args.guidance_scale, num_frames=args.frames, height=args.height,
-                  width=args.width)
+                  width=args.width, video_format=args.video_format, image=args.image, frame_pos=args.frame_pos)
     try:
         job = client.submit(**fields)
     except ServeError as e:
-        if e.status == 422:
+        if e.status in (413, 415, 422):  # the request (an image, a field) refused: a usage error, exit 2
             raise UsageError(str(e).split(": ", 1)[1]) from None
         print(f"wan-sharding submit: error: {e}", file=sys.stderr)
         return 1
@@ -87,7 +105,8 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"wan-sharding submit: error: {e}", file=sys.stderr)
         return 1
     if job["status"] != "completed":
-        print(f"wan-sharding submit: error: job {job['id']} {job['status']}: {job.get('error') or ''}".rstrip(": "),
+        error = (job.get("error") or {}).get("message", "")
+        print(f"wan-sharding submit: error: job {job['id']} {job['status']}: {error}".rstrip(": "),
               file=sys.stderr)
         return 1
     path = client.download(job["id"], args.out)
@@ -101,6 +120,8 @@ def _progress_bar() -> Any:
     """``on_progress`` for :meth:`Client.wait`: a tqdm bar on stderr from the job's ``progress``."""
     from tqdm import tqdm
 
+    from ..serve.store import FINISHED
+
     bar: dict[str, Any] = {}
 
     def update(job: dict[str, Any]) -> None:
@@ -110,7 +131,7 @@ def _progress_bar() -> Any:
         b = bar["bar"]
         b.set_description(job["status"])
         b.update(done - b.n)
-        if job["status"] in ("completed", "failed", "cancelled"):
+        if job["status"] in FINISHED:
             b.close()
 
     return update
@@ -144,6 +165,9 @@ def add_subcommands(sub: Any) -> None:
                    help="jobs database and videos; a server restarted on it serves them again (default results/serve)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                                      "(default: $WAN_SHARDING_API_KEY)")
+    s.add_argument("--replicas", type=positive_int, default=1, metavar="N",
+                   help="split the mesh into N equal sub-meshes, one resident worker each, serving jobs side by side "
+                        "(default 1)")
     s.set_defaults(func=_serve, validate=_validate_serve)
 
     c = sub.add_parser("submit", help="send a job to `wan-sharding serve`, show its progress, download the video",
@@ -159,6 +183,11 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("--width", type=positive_int, help="pixels (default: the server's)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--guidance-scale", type=float, default=4.0)
+    c.add_argument("--image", metavar="PATH", help="image to video: the conditioning image (PNG, JPEG, WebP); the "
+                                                  "server must run i2v-a14b or ti2v-5b")
+    c.add_argument("--frame-pos", type=int, default=0, metavar="N",
+                   help="the frame --image anchors: 0 (default), or the last frame (frames - 1) on i2v-a14b")
+    c.add_argument("--video-format", default="mp4", choices=["mp4", "gif"], help="the video's format (default mp4)")
     c.add_argument("--out", default="results/submit", help="directory for the downloaded video")
     c.add_argument("--detach", action="store_true", help="print the job id once queued and exit (no download)")
     c.set_defaults(func=_submit, validate=_validate_submit)

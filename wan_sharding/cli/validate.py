@@ -5,39 +5,26 @@ line that names the problem and the fix; ``wan-sharding`` prints it as
 ``wan-sharding <command>: error: ...`` and exits 2 (``wan_sharding.cli.main``). Nothing is changed
 on disk by a check: output paths are tested for writability (an unnamed temporary file), not created.
 
-The numbers come from the diffusers Wan 2.2 pipelines (``diffusers/pipelines/wan/pipeline_wan.py``):
-frames must be ``4k+1`` (the VAE's temporal factor, ``scale_factor_temporal`` 4) and height and
-width multiples of the VAE's spatial factor times the DiT's patch size (the pipeline otherwise
-rounds them down with only a log warning), and at least 16 (its ``check_inputs``).
+The rules a video request shares with the server (counts, frames and sizes) are
+:mod:`wan_sharding.jobs.requests`'s; this module adds what only the command line has (paths,
+plan files, option combinations).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-
-class UsageError(ValueError):
-    """Bad command-line input: one line naming the problem and the fix (exit code 2)."""
+# The rules a request shares with the server live in jobs.requests; re-exported here for the commands.
+from ..jobs.requests import (PATCH, UsageError, check_counts, check_video, checked_option, positive_int,  # noqa: F401
+                             read_json_file, video_factors)
 
 
 # ---- argparse types: a bad value is an argparse error (one line, exit 2) --------------------------
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1 (steps, iterations, blocks, batch, ...)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def positive_float(text: str) -> float:
@@ -61,10 +48,6 @@ def compile_options(text: str) -> dict[str, Any]:
         return CompileOptions.parse(text).to_json()
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-# The DiT patch (frames, height, width): the same for every Wan 2.2 variant (wan_sharding.models).
-PATCH = (1, 2, 2)
 
 
 def parse_latent(text: str) -> tuple[int, int, int]:
@@ -132,50 +115,6 @@ def check_rope_length(dims: tuple[int, ...] | str, limit: int, what: str) -> Non
                          f"tiny DiT's rope table of {limit} per axis; use a smaller latent")
 
 
-def video_factors(variant: str, model: str | None) -> tuple[int, int]:
-    """(temporal factor, height/width multiple) of the pipeline ``generate`` will build: the tiny
-    pipeline's VAE, or the checkpoint's own VAE and DiT configs (read from ``model``)."""
-    if model is None:
-        from ..pipeline.tiny import VARIANT_PIPELINES
-
-        spatial = 16 if VARIANT_PIPELINES[variant].vae == "wan2.2" else 8
-        return 4, max(16, spatial * PATCH[1])
-    root = Path(model)
-    vae = _json_file(root / "vae" / "config.json", required=False) or {}
-    dit = (_json_file(root / "transformer" / "config.json", required=False)
-           or _json_file(root / "transformer_2" / "config.json", required=False) or {})
-    patch = dit.get("patch_size") or PATCH
-    return int(vae.get("scale_factor_temporal") or 4), max(16, int(vae.get("scale_factor_spatial") or 8) * int(patch[1]))
-
-
-def check_video(frames_: int | None, height: int | None, width: int | None, variant: str, model: str | None,
-                names: tuple[str, str, str] = ("--frames", "--height", "--width")) -> None:
-    """Frames of the 4k+1 form and sizes the pipeline can patchify without rounding them. ``names``:
-    what the messages call frames, height and width (the flags; the server's API fields)."""
-    temporal, multiple = video_factors(variant, model)
-    if frames_ is not None and (frames_ - 1) % temporal:
-        low = (frames_ - 1) // temporal * temporal + 1
-        raise UsageError(f"{names[0]} {frames_}: this pipeline needs {temporal}k+1 frames; use {low} or "
-                         f"{low + temporal}")
-    for flag, value in zip(names[1:], (height, width)):
-        if value is not None and value % multiple:
-            low = value // multiple * multiple
-            fix = f"{low} or {low + multiple}" if low else str(multiple)
-            raise UsageError(f"{flag} {value} is not a multiple of {multiple} (VAE stride x patch size of this "
-                             f"pipeline); use {fix}")
-
-
-def _json_file(path: Path, required: bool = True) -> Any:
-    if not path.is_file():
-        if required:
-            raise UsageError(f"{path} is missing")
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UsageError(f"{path} is not readable JSON ({e}); re-download or re-save the checkpoint") from None
-
-
 def model_dir(path: str) -> str:
     """A local diffusers Wan 2.2 pipeline directory: exists, and its ``model_index.json`` is JSON
     naming a Wan pipeline class."""
@@ -188,7 +127,7 @@ def model_dir(path: str) -> str:
     if not (root / "model_index.json").is_file():
         raise UsageError(f"--model {path} has no model_index.json, so it is not a diffusers pipeline directory; "
                          "pass the checkpoint's top directory")
-    index = _json_file(root / "model_index.json")
+    index = read_json_file(root / "model_index.json")
     name = index.get("_class_name") if isinstance(index, dict) else None
     if name not in SUPPORTED_PIPELINES:
         raise UsageError(f"--model {path}: model_index.json names {name!r}, not a Wan 2.2 pipeline "
@@ -253,10 +192,10 @@ def plan_file(text: str) -> Any:
 
 def _roles_by_position(spec: Any) -> tuple:
     """(shape, positions of the SP axes, positions of the TP axes) of a MeshSpec."""
-    from ..mesh import _axes
+    from ..mesh import axes_of
 
     def positions(role: Any) -> tuple:
-        return tuple(sorted(spec.axis_names.index(a) for a in _axes(role)))
+        return tuple(sorted(spec.axis_names.index(a) for a in axes_of(role)))
 
     return tuple(spec.shape), positions(spec.sp_axis), positions(spec.tp_axis)
 
@@ -291,21 +230,6 @@ def apply_plan(args: argparse.Namespace, default_mesh: str | list[str], mesh_fla
 # ---- whole commands (called first thing in the command, before any worker starts) ---------------
 
 
-def _option(flag: str, check, value: Any) -> Any:
-    """``check(value)`` with an argparse type's error turned into a UsageError naming ``flag``."""
-    try:
-        return check(str(value))
-    except argparse.ArgumentTypeError as e:
-        raise UsageError(f"{flag} {value}: {e}") from None
-
-
-def check_counts(counts: dict[str, Any]) -> None:
-    """Each count given (``{name: value}``, ``None``: not given) is a whole number >= 1."""
-    for name, value in counts.items():
-        if value is not None:
-            _option(name, positive_int, value)
-
-
 def check_generate(args: argparse.Namespace) -> None:
     """``generate``: counts >= 1, a checkpoint that loads, frames/sizes the pipeline takes as they
     are, and an output directory that can be written."""
@@ -327,10 +251,10 @@ def check_profile(args: argparse.Namespace) -> None:
         raise UsageError(f"--mesh {UNSHARDED} is the one-device baseline; leave it out with --plan")
     if getattr(args, "cache", "none") != "none" and "dit" in args.what:
         raise UsageError("--cache acts across denoising steps; use it with --what step")
-    _option("--iters", positive_int, args.iters)
+    checked_option("--iters", positive_int, args.iters)
     if args.warmup < 1:
         raise UsageError(f"--warmup {args.warmup}: must be >= 1 (the first iteration compiles, so it is a warm-up "
                          "and never timed); use --warmup 1 or more")
     if args.latent is not None:
-        args.latent = _option("--latent", latent, args.latent)
+        args.latent = checked_option("--latent", latent, args.latent)
         check_rope_length(args.latent, config_for(args.variant)["rope_max_seq_len"], "--latent")

@@ -13,25 +13,22 @@ The pieces, caller to worker and back:
 - :mod:`.xla_lowering` + :mod:`.shardy`: the torch-xla frontend (the lowering hardware compiles) and
   its GSPMD -> Shardy converter;
 - :mod:`.composites`: the StableHLO composites tt-xla's torch plugin marks (``--composites``);
+- :mod:`.marking`: every argument marked parameter / constant / input, as tt-xla marks them
+  (``--no-argument-marks`` turns it off);
 - :mod:`.options`: tt-mlir compile options as tt-xla's plugin reads them (``--compile-options``).
 """
 
-from .bill import (DATA_MOVEMENT_OPS, BillEntry, BlockBill, DesignBytes, attention_report, bill_from_files, bill_ok,
-                   bill_problems, collective_table, design_bill, design_bytes, masked_attention_per_block,
-                   padding_cost, per_block_bill, split_ops, tile_alignment)
-from .report import (EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, base_depth, build_report, compile_reports,
-                     format_report, padding_report, report_exit_code)
+from .bill import BlockBill, bill_ok, per_block_bill
+from .report import EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, compile_reports, format_report, report_exit_code
 from .request import FRONTENDS, CompileError, CompileRequest, CompileResult, latent_for
-from .runner import check_plugin, compile_dit, compile_many, prepare_descriptor, private_tmpdir, worker_env
-from .shardy import ShardyError, gspmd_to_shardy
-from .ttnn_ir import COLLECTIVES, Collective, IRError, Op, TensorType, TTNNModule, ttir_attention
+from .runner import compile_dit, compile_many
+from .shardy import gspmd_to_shardy
+from .ttnn_ir import TTNNModule
 
+# What a user of compile-only needs: a request, the compile, its report, the per-block bill of the
+# TTNN module tt-mlir wrote. The helpers stay in their modules (.bill, .ttnn_ir, .runner, ...).
 __all__ = [
-    "COLLECTIVES", "DATA_MOVEMENT_OPS", "EXIT_CHECK_FAILED", "EXIT_ERROR", "EXIT_OK", "FRONTENDS", "BillEntry",
-    "BlockBill", "Collective", "CompileError", "CompileRequest", "CompileResult", "DesignBytes", "IRError", "Op",
-    "ShardyError", "TTNNModule", "TensorType", "attention_report", "base_depth", "bill_from_files", "bill_ok",
-    "bill_problems", "build_report", "check_plugin", "collective_table", "compile_dit", "compile_many",
-    "compile_reports", "design_bill", "design_bytes", "format_report", "gspmd_to_shardy", "latent_for",
-    "masked_attention_per_block", "padding_cost", "padding_report", "per_block_bill", "prepare_descriptor",
-    "private_tmpdir", "report_exit_code", "split_ops", "tile_alignment", "ttir_attention", "worker_env",
+    "EXIT_CHECK_FAILED", "EXIT_ERROR", "EXIT_OK", "FRONTENDS", "BlockBill", "CompileError", "CompileRequest",
+    "CompileResult", "TTNNModule", "bill_ok", "compile_dit", "compile_many", "compile_reports", "format_report",
+    "gspmd_to_shardy", "latent_for", "per_block_bill", "report_exit_code",
 ]

@@ -154,19 +154,20 @@ def bill_from_files(shallow_path: str | Path, deep_path: str | Path, shallow_blo
                           shallow_blocks, deep_blocks, mesh)
 
 
-def design_bill(mesh: MeshSpec | str) -> dict[tuple[str, str, str | None], int]:
+def design_bill(mesh: MeshSpec | str, prompt_kv: bool = False) -> dict[tuple[str, str, str | None], int]:
     """The design's per-block bill (``docs/design.md``) as ``{(kind, size, axis): count}``.
 
     TP all-reduces after attn1.to_out, attn2.to_out and ffn.net[2] (3 large) and the RMSNorm stats
     all-reduces of norm_q / norm_k in both attentions (4 small); with SP > 1 also the all-gathers
     of self-attention K and V over SP (2 large): 3 large + 4 small on 1x4, 5 large + 4 small on
-    2x4 and 8x4.
+    2x4 and 8x4. ``prompt_kv``: the step of a model with that patch, whose cross-attention
+    ``norm_k`` runs once per prompt instead (3 small).
     """
     m = as_mesh_spec(mesh)
     bill: dict[tuple[str, str, str | None], int] = {}
     if m.tp > 1:
         bill[("all_reduce", "large", m.tp_axis)] = 3
-        bill[("all_reduce", "small", m.tp_axis)] = 4
+        bill[("all_reduce", "small", m.tp_axis)] = 3 if prompt_kv else 4
     if m.sp > 1:
         bill[("all_gather", "large", m.sp_axis)] = 2
     return bill
@@ -204,8 +205,10 @@ def design_bytes(config: Mapping[str, Any], mesh: MeshSpec | str, padded_tokens:
 NORM_STATS_KINDS = ("all_reduce", "all_gather", "distributed_rms_norm")
 
 
-def bill_problems(bill: BlockBill, mesh: MeshSpec | str, budget: DesignBytes | None = None) -> list[str]:
-    """Differences between a measured bill and :func:`design_bill`; empty when they agree.
+def bill_problems(bill: BlockBill, mesh: MeshSpec | str, budget: DesignBytes | None = None,
+                  prompt_kv: bool = False) -> list[str]:
+    """Differences between a measured bill and :func:`design_bill` (``prompt_kv``: that patch's
+    step); empty when they agree.
 
     With ``budget``, also every large SP all-gather or TP all-reduce that moves more bytes per
     device than the design's. The 4 small TP collectives of the RMSNorm statistics count in any of
@@ -213,7 +216,7 @@ def bill_problems(bill: BlockBill, mesh: MeshSpec | str, budget: DesignBytes | N
     ``distributed_rms_norm``).
     """
     m = as_mesh_spec(mesh)
-    want = design_bill(m)
+    want = design_bill(m, prompt_kv)
     got: Counter = Counter()
     for (kind, size, axis), n in bill.by_class().items():
         # The RMSNorm statistics over TP, in whichever form tt-mlir wrote them (plain math: an
@@ -353,6 +356,21 @@ def padding_cost(padded: tuple[TTNNModule, TTNNModule], unpadded: tuple[TTNNModu
         inside = {"add": fused_masks_per_block}
         per_block = _minus(per_block, inside)
     return {"per_block": per_block, "per_forward": _minus(pf_pad, pf_raw), "in_fused_attention": inside}
+
+
+def program_split(shallow: TTNNModule, deep: TTNNModule, shallow_blocks: int, deep_blocks: int) -> dict[str, Any]:
+    """What one block adds to the step's program (run every call) and to the const-eval functions
+    (run once, at load), from the difference of two depths, with :data:`~.ttnn_ir.BOOKKEEPING_OPS`
+    left out: ``runtime_ops_per_block`` / ``const_eval_ops_per_block`` (totals) and the same
+    ``..._by_op``."""
+    n = deep_blocks - shallow_blocks
+    out: dict[str, Any] = {}
+    for key, const_eval in (("runtime_ops_per_block", False), ("const_eval_ops_per_block", True)):
+        a, b = shallow.program_ops(const_eval), deep.program_ops(const_eval)
+        by_op = {k: _whole((b[k] - a[k]) / n, 3) for k in set(a) | set(b)}
+        out[key] = _whole((sum(b.values()) - sum(a.values())) / n, 3)
+        out[key + "_by_op"] = dict(sorted(((k, v) for k, v in by_op.items() if v), key=lambda kv: -kv[1]))
+    return out
 
 
 def masked_attention_per_block(shallow_ttir: str, deep_ttir: str, blocks: tuple[int, int]) -> float:

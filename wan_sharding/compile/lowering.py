@@ -5,7 +5,9 @@ The Tenstorrent JAX plugin (``jax-tt-plugin``) compiles for real when
 the unmodified diffusers DiT built on the ``meta`` device, run as a JAX function through torchax
 (:class:`~wan_sharding.backends.jax.JaxBackend`): weights, buffers and inputs are
 ``jax.ShapeDtypeStruct`` stand-ins with their ``NamedSharding``, so the full 14B expert compiles
-with ~1.5 GB of host memory and no weights.
+with ~1.5 GB of host memory and no weights. Every argument is marked with its role (weights
+``parameter``, buffers ``constant``, inputs ``input``) as tt-xla's JAX plugin marks weights
+(:mod:`.marking`), unless the request asks for none.
 
 Only the compile worker (:mod:`wan_sharding.compile.worker`) calls :func:`compile_in_process`: it
 imports JAX, which must already see the tt devices. The caller's side (descriptor, environment,
@@ -37,11 +39,11 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from ..activation import apply_dit_sp_activation_sharding
     from ..backends.jax import JaxBackend
-    from .composites import HardwareComposites
+    from ..compose import shard_dit
     from ..models import build_dit
-    from ..specs import shard_dit_specs
+    from ..patches.prompt_kv import prompt_cache, prompt_state_like
+    from .composites import HardwareComposites
 
     t0 = time.perf_counter()
     mesh = req.mesh_spec()
@@ -55,19 +57,16 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
     dtype = torch_dtype(req.dtype)
     overrides = {} if req.blocks is None else {"num_layers": req.blocks}
     dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides)
-    if req.patches:  # rewrites first, then specs and SP (wan_sharding.patches)
-        from ..patches import apply_patches
-
-        apply_patches(dit, req.patches, mesh=req.plan if req.plan is not None else mesh)
-    # With a plan: the ordinary API, given the plan (its roles, FSDP, layout and padding apply).
-    specs = shard_dit_specs(dit, req.plan) if req.plan is not None else shard_dit_specs(dit, mesh)
+    # The ordinary composition; on a meta model the jax backend's placement is abstract (shapes and
+    # shardings, no weights). With a plan, its roles, FSDP, layout and padding apply.
     backend = JaxBackend(mesh, devices=list(devices[: mesh.num_devices]))
-    handle = apply_dit_sp_activation_sharding(dit, mesh, backend=backend, padding=req.padding, plan=req.plan,
-                                              anchor=req.anchor)
+    handle = shard_dit(dit, req.plan if req.plan is not None else mesh, backend=backend, padding=req.padding,
+                       patches=req.patches or (), anchor=req.anchor)
+    sp = handle.sp
     try:
-        # dtype=None: each weight keeps the dtype the meta model has (bf16, fp32 where diffusers
-        # keeps fp32); float64 rope tables become float32.
-        state = backend.abstract_state(dit, specs)
+        # Each weight keeps the dtype the meta model has (bf16, fp32 where diffusers keeps fp32);
+        # float64 rope tables become float32.
+        state = handle.placed
         rep = backend.sharding(())
         cfg = config_for(req.variant, req.size)
         act = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[req.dtype]
@@ -79,18 +78,24 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
             "encoder_hidden_states": jax.ShapeDtypeStruct(
                 (req.batch, PROMPT_TOKENS[req.size], cfg["text_dim"]), act, sharding=rep),
         }
-        fused = HardwareComposites(backend, dit, req.composites, split_tokens=lambda: handle.state.padded_len) if req.composites != "none" else None
+        if prompt_cache(dit) is not None:  # prompt_kv: the step takes the prompt's K / V, made once per prompt
+            inputs["encoder_hidden_states"] = prompt_state_like(
+                dit, req.batch, PROMPT_TOKENS[req.size], mesh,
+                lambda shape, spec: jax.ShapeDtypeStruct(shape, act, sharding=backend.sharding(spec)))
+        fused = HardwareComposites(backend, dit, req.composites, split_tokens=lambda: sp.state.padded_len) if req.composites != "none" else None
         t1 = time.perf_counter()
-        lowered = jax.jit(backend.jax_forward(dit, fused_sdpa=fused)).lower(state, (), inputs)
+        forward, marked = _marked_forward(backend.jax_forward(dit, fused_sdpa=fused), dit, req, inputs)
+        lowered = jax.jit(forward).lower(state, (), inputs)
         t2 = time.perf_counter()
         out_dir = Path(req.out_dir or tempfile.mkdtemp(prefix="wan_ir_"))
         out_dir.mkdir(parents=True, exist_ok=True)
         result: dict[str, Any] = {
-            "out_dir": str(out_dir), "lower_seconds": round(t2 - t1, 3), "sp_points": handle.points,
-            "tokens": handle.state.valid_len, "padded_tokens": handle.state.padded_len,
+            "out_dir": str(out_dir), "lower_seconds": round(t2 - t1, 3), "sp_points": sp.points,
+            "tokens": sp.state.valid_len, "padded_tokens": sp.state.padded_len,
             "sdpa_fused": fused.fused if fused is not None else 0,
             "sdpa_plain": fused.plain if fused is not None else None,
             "composites_marked": fused.counts() if fused is not None else {},
+            "arguments_marked": marked,
         }
         _compile_with_options(lambda o: lowered.compile(compiler_options={"export_path": str(out_dir), **o}),
                               req, result)
@@ -99,6 +104,22 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
         return _with_irs(result, out_dir)
     finally:
         handle.remove()
+
+
+def _marked_forward(forward: Any, dit: Any, req: CompileRequest, inputs: dict[str, Any]) -> tuple[Any, dict[str, int]]:
+    """The torchax forward with every argument marked with its role, as tt-xla's JAX plugin marks
+    weights (:func:`.marking.mark_jax_arguments`), and the markers by role; ``forward`` itself and
+    no markers when the request asks for none."""
+    if not req.mark_arguments:
+        return forward, {}
+    from collections import Counter
+
+    from .marking import INPUT, argument_roles, mark_jax_arguments
+
+    roles = argument_roles(dit)
+    counts = Counter(roles.values())
+    counts[INPUT] += len(inputs)
+    return mark_jax_arguments(forward, roles), dict(counts)
 
 
 # What the plugin says when its TTIR -> TTNN pipeline fails; with DRAM space saving on, that is what
@@ -138,6 +159,7 @@ def _with_irs(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     import resource
 
     result.update(ttnn_path=_find_ir(out_dir, "ttnn"), ttir_path=_find_ir(out_dir, "ttir"),
+                  frontend_ir_path=_find_ir(out_dir, "shlo_frontend"),
                   rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     if result["ok"] and not result["ttnn_path"]:
         result.update(ok=False, error=f"compiled but no TTNN IR was exported under {out_dir}/irs")
@@ -151,7 +173,8 @@ def compile_traced(req: CompileRequest, traced: dict[str, Any]) -> dict[str, Any
 
     out_dir = Path(req.out_dir or tempfile.mkdtemp(prefix="wan_ir_"))
     result = {k: traced[k] for k in ("stablehlo_path", "trace_seconds", "trace_rss_mb", "sp_points", "tokens",
-                                     "padded_tokens", "sdpa_fused", "sdpa_plain", "composites_marked") if k in traced}
+                                     "padded_tokens", "sdpa_fused", "sdpa_plain", "composites_marked",
+                                     "arguments_marked") if k in traced}
     result.update(out_dir=str(out_dir), lower_seconds=traced.get("trace_seconds"))
     t0 = time.perf_counter()
     text = Path(traced["stablehlo_path"]).read_text()

@@ -6,7 +6,10 @@ full one. A padded request also gets both depths compiled unpadded, so the repor
 that are there only because of padding. :func:`build_report` then checks the two things
 compile-only mode can check: the per-block collective bill against the design
 (``docs/design.md``), and that every per-device token dim split over SP is tile-aligned
-(``docs/tt-mlir-notes.md``).
+(``docs/tt-mlir-notes.md``). It also counts the TTNN ops one block adds to the step's program
+(``runtime_ops_per_block``) apart from those tt-mlir hoisted into const-eval functions, run once at
+load (``const_eval_ops_per_block``, ``const_eval_ops``), and the roles the arguments had
+(:mod:`.marking`).
 
 Exit codes (:func:`report_exit_code`): :data:`EXIT_OK` all checks pass; :data:`EXIT_CHECK_FAILED`
 the bill differs from the design or a token dim is not tile-aligned; :data:`EXIT_ERROR` bad
@@ -47,6 +50,7 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         "padding": req.padding, "anchor": req.anchor, "dtype": req.dtype, "frontend": req.frontend,
         "composites": req.composites, "patches": list(req.patches),
         "composites_marked": main.composites_marked,
+        "mark_arguments": req.mark_arguments, "arguments_marked": main.arguments_marked,
         "options_requested": req.options().to_json() if req.compile_options is None else dict(req.compile_options),
         "options_used": main.options_used,
         "notes": list(req.notes) + ([main.options_note] if main.options_note else []),
@@ -55,7 +59,7 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         "build_lower_compile_seconds": main.total_seconds, "rss_mb": main.rss_mb,
         "ttnn_path": main.ttnn_path, "ttir_path": main.ttir_path, "stablehlo_path": main.stablehlo_path,
         "trace_seconds": main.trace_seconds, "trace_rss_mb": main.trace_rss_mb,
-        "design": {f"{k}/{s}/{a}": n for (k, s, a), n in ir_bill.design_bill(mesh).items()},
+        "design": {f"{k}/{s}/{a}": n for (k, s, a), n in ir_bill.design_bill(mesh, "prompt_kv" in req.patches).items()},
     }
     if not main.ok:
         report.update(error=main.error, diagnostics=main.diagnostics[:10], bill_ok=False, tile_aligned=None,
@@ -73,6 +77,12 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         from .composites import ttir_composite_counts
 
         report["composites_ttir"] = ttir_composite_counts(Path(main.ttir_path).read_text())
+    if main.frontend_ir_path:
+        from .marking import argument_types
+
+        report["argument_types"] = argument_types(Path(main.frontend_ir_path).read_text())
+    const_eval = module.program_ops(const_eval=True)
+    report.update(const_eval_ops=sum(const_eval.values()), const_eval_ops_by_op=dict(const_eval.most_common()))
     report.update(
         sdpa=attention,
         # What the program carries: the flatbuffer tt-mlir wrote (runtime program + constants), the
@@ -89,15 +99,18 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
                       bill_problems=[f"no per-block bill: the {base_depth(req.num_blocks)}-block compile "
                                      f"{'was not run' if base is None else 'failed: ' + str(base.error)}"])
         return report
-    bill = ir_bill.per_block_bill(TTNNModule.from_file(base.ttnn_path), module,
-                                  base.request.num_blocks, req.num_blocks, mesh)
+    shallow = TTNNModule.from_file(base.ttnn_path)
+    bill = ir_bill.per_block_bill(shallow, module, base.request.num_blocks, req.num_blocks, mesh)
+    split = ir_bill.program_split(shallow, module, base.request.num_blocks, req.num_blocks)
     budget = ir_bill.design_bytes(config_for(req.variant, req.size), mesh, main.padded_tokens or main.tokens,
                                   req.batch, req.dtype)
-    problems = ir_bill.bill_problems(bill, mesh, budget)
+    problems = ir_bill.bill_problems(bill, mesh, budget, prompt_kv="prompt_kv" in req.patches)
     report.update(
         design_bytes=budget.to_json(),
         per_block=bill.counts(), per_block_totals=bill.totals(),
         per_block_entries=[e.to_json() for e in bill.entries], per_block_ops=bill.ops,
+        # what a step runs per block, apart from what tt-mlir hoisted into const-eval (run once)
+        **split,
         bill_ok=not problems, bill_problems=problems,
         base_blocks=base.request.num_blocks, base_compile_seconds=base.compile_seconds,
     )
@@ -164,17 +177,39 @@ def report_exit_code(report: dict[str, Any]) -> int:
 
 
 def composite_lines(report: dict[str, Any]) -> list[str]:
-    """The composite set, what was marked and what reached TTIR fused, the options used and every
-    note on what differs from the request (hardware's defaults)."""
+    """The composite set, what was marked and what reached TTIR fused, how the arguments were marked,
+    the options used and every note on what differs from the request (hardware's defaults)."""
     marked = ", ".join(f"{k.split('.', 1)[-1]} {v}" for k, v in (report.get("composites_marked") or {}).items())
     lines = [f"composites: {report.get('composites')} (marked: {marked or 'none'})"]
     if report.get("composites_ttir") is not None:
         ttir = ", ".join(f"{k} {v}" for k, v in report["composites_ttir"].items())
         lines.append(f"  fused in TTIR: {ttir or 'none'}")
+    lines.append(argument_line(report))
     if report.get("options_used"):
         lines.append("tt-mlir options: " + ", ".join(f"{k}={v}" for k, v in report["options_used"].items()))
     lines += [f"  note: {n}" for n in report.get("notes") or []]
     return lines
+
+
+def argument_line(report: dict[str, Any]) -> str:
+    """How the program's arguments were marked, and the roles tt-mlir compiled with."""
+    fmt = lambda d: ", ".join(f"{k} {v}" for k, v in (d or {}).items()) or "none"  # noqa: E731
+    if not report.get("mark_arguments", True):
+        head = "arguments: not marked (--no-argument-marks): every one an input"
+    else:
+        head = f"arguments: marked as tt-xla marks them ({fmt(report.get('arguments_marked'))})"
+    if report.get("argument_types") is not None:
+        head += f"; tt-mlir compiled them as {fmt(report['argument_types'])}"
+    return head
+
+
+def ops_line(report: dict[str, Any]) -> str | None:
+    """Runtime ops per block apart from const-eval ops (run once), or None without a per-block bill."""
+    if report.get("runtime_ops_per_block") is None:
+        return None
+    return (f"TTNN ops per block (bookkeeping left out): {report['runtime_ops_per_block']:g} in the step's program, "
+            f"{report['const_eval_ops_per_block']:g} in const-eval; const-eval in all: {report['const_eval_ops']} ops, "
+            "run once when the program is loaded")
 
 
 def format_report(report: dict[str, Any], top: int = 25) -> str:
@@ -218,6 +253,9 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
                          f"{e['payload']:<24} {format_bytes(e['bytes']):>10} per device")
         tot = report["per_block_totals"]
         lines.append(f"  = {tot['large']:g} large + {tot['small']:g} small per block")
+        ops = ops_line(report)
+        if ops:
+            lines.append(ops)
     design = ", ".join(f"{n} {k.replace('/', ' ')}" for k, n in report["design"].items())
     lines.append(f"design: {design}")
     if "padding_ops_per_block" in report:
@@ -276,6 +314,8 @@ def comparison_row(report: dict[str, Any]) -> dict[str, Any]:
         **base, "ok": True,
         "ops_per_block": {k: report.get("per_block_ops", {}).get(k, 0) for k in COMPARED_OPS},
         "ops_per_block_total": sum(report.get("per_block_ops", {}).values()),
+        "runtime_ops_per_block": report.get("runtime_ops_per_block"),
+        "const_eval_ops": report.get("const_eval_ops"),
         "ops_total": sum(report["ops"].values()),
         "per_block": report.get("per_block_totals"), "bill_ok": report["bill_ok"],
         "bill_problems": report.get("bill_problems", []),

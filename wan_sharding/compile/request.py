@@ -69,6 +69,11 @@ class CompileRequest:
         notes: one line per thing the runner changed against the request, and why.
         patches: model rewrites applied before sharding (``wan_sharding.patches``), e.g.
             ``("rope",)``.
+        mark_arguments: mark every argument of the step's program with its role before tt-mlir
+            sees it, as tt-xla does on hardware (:mod:`.marking`: weights ``parameter``, buffers
+            and precomputed tables ``constant``, activations ``input``; tt-mlir then prepares
+            weights once, in const-eval). ``False``: nothing marked, every argument an input
+            (this package's compiles before issue 29).
         plan: a whole :class:`~wan_sharding.plan.ShardingPlan` (axes and order of SP / TP, FSDP,
             activation layout, padding). When given, the model is sharded through the ordinary
             API with it (``shard_dit_specs(dit, plan)``, ``apply_dit_sp_activation_sharding(...,
@@ -94,6 +99,7 @@ class CompileRequest:
     compile_options: dict[str, Any] | None = None
     notes: tuple[str, ...] = ()
     patches: tuple[str, ...] = ()
+    mark_arguments: bool = True
     plan: ShardingPlan | None = None
 
     def __post_init__(self) -> None:
@@ -195,7 +201,8 @@ class CompileRequest:
         lat = self.resolution or "x".join(map(str, self.latent))
         extra = (("" if self.anchor else " no-anchor") + ("" if self.frontend == "torchax" else f" [{self.frontend}]")
                  + (f" +{'+'.join(self.patches)}" if self.patches else "")
-                 + ("" if self.composites == "hardware" else f" composites={self.composites}"))
+                 + ("" if self.composites == "hardware" else f" composites={self.composites}")
+                 + ("" if self.mark_arguments else " unmarked"))
         if self.plan is not None:
             return f"{self.variant}/{self.size} {self.num_blocks}blk {lat} plan [{self.plan.name}]{extra}"
         return f"{self.variant}/{self.size} {self.num_blocks}blk {self.mesh} {lat} pad={self.padding}{extra}"
@@ -255,6 +262,7 @@ class CompileResult:
     out_dir: str | None = None
     ttnn_path: str | None = None
     ttir_path: str | None = None
+    frontend_ir_path: str | None = None  # the module after tt-xla's frontend pass (arguments' roles)
     tokens: int | None = None
     padded_tokens: int | None = None
     sp_points: list[str] = field(default_factory=list)  # what the SP hooks constrained
@@ -262,6 +270,7 @@ class CompileResult:
     sdpa_fused: int | None = None  # attention calls traced as the fused SDPA composite
     sdpa_plain: int | None = None  # attention calls left as plain math (not bf16)
     composites_marked: dict[str, int] = field(default_factory=dict)  # composites the trace marked, by name
+    arguments_marked: dict[str, int] = field(default_factory=dict)  # argument markers the trace wrote, by role
     options_used: dict[str, Any] | None = None  # the plugin options the compile was given
     options_note: str | None = None  # why options_used differs from the request's options
     trace_seconds: float | None = None  # torch-xla frontend: the trace in its own worker

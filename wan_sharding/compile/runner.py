@@ -38,7 +38,7 @@ TRACE_MODULE = "wan_sharding.compile.xla_lowering"  # the torch-xla frontend's w
 BEGIN_MARK = "@@wan_sharding.compile begin "
 END_MARK = "@@wan_sharding.compile end "
 
-# The plugin unpacks ~400 MB of tt-metal runtime files into $TMPDIR/<this prefix><hash> once.
+# The plugin unpacks ~400 MB of tt-metal runtime files into $TMPDIR/<this prefix><hash>.
 ASSETS_PREFIX = "libtt-tt-metal-runtime-assets-"
 
 
@@ -74,37 +74,34 @@ def prepare_descriptor(arch: str, num_chips: int, directory: str | os.PathLike[s
 
 
 def private_tmpdir(work: str | os.PathLike[str]) -> Path:
-    """A ``TMPDIR`` for one worker, with links to the runtime files already unpacked.
+    """A ``TMPDIR`` of one worker's own, shared with no other process.
 
     Why: the plugin copies the descriptor to the fixed path ``$TMPDIR/tt_pjrt_system_descriptor``
     and deletes it when its process exits, so two plugin processes sharing ``/tmp`` break each
     other ("system desc does not exist: /tmp/tt_pjrt_system_descriptor" in the middle of a
-    compile; ``docs/tt-mlir-notes.md``). A private folder isolates the workers; the links spare
-    the re-unpacking.
+    compile). And it writes its ~400 MB of tt-metal runtime files into
+    ``$TMPDIR/libtt-tt-metal-runtime-assets-<hash>`` at **every** start, over what is there: a
+    process starting beside one that runs those files (the RISC-V compiler of a level-1 compile)
+    fails ("failed to extract embedded tt-metal runtime archive", then a hung worker) or makes the
+    other fail ("cannot execute ... as: posix_spawn: Text file busy"). So each worker unpacks its
+    own copy (``docs/tt-mlir-notes.md``); :func:`remove_assets` deletes it afterwards.
     """
     tmp = Path(work) / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    for assets in Path(tempfile.gettempdir()).glob(ASSETS_PREFIX + "*"):
-        link = tmp / assets.name
-        if assets.is_dir() and not link.exists() and not link.is_symlink():
-            link.symlink_to(assets, target_is_directory=True)
+    for old in tmp.glob(ASSETS_PREFIX + "*"):
+        if old.is_symlink():  # a link to a shared copy, left by an earlier version of this function
+            old.unlink()
     return tmp
 
 
-def share_assets(tmp: str | os.PathLike[str]) -> None:
-    """Move runtime files a worker unpacked into its private folder to the shared temp folder
-    (where the plugin itself would have put them), so they are unpacked once, not per run."""
-    shared = Path(tempfile.gettempdir())
+def remove_assets(tmp: str | os.PathLike[str]) -> None:
+    """Delete the runtime files a worker unpacked into its private ``TMPDIR`` (the plugin unpacks
+    them again at its next start anyway)."""
     for d in Path(tmp).glob(ASSETS_PREFIX + "*"):
-        if d.is_symlink() or not d.is_dir():
-            continue
-        try:
-            if not (shared / d.name).exists():
-                os.rename(d, shared / d.name)
-                continue
-        except OSError:  # another filesystem, or someone else just put it there
-            pass
-        shutil.rmtree(d, ignore_errors=True)
+        if d.is_symlink():
+            d.unlink()
+        elif d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def worker_env(descriptor: str | os.PathLike[str], tmpdir: str | os.PathLike[str] | None = None) -> dict[str, str]:
@@ -262,7 +259,7 @@ def compile_many(
         try:
             run = _run(params, worker_env(desc, tmp), log_file, remaining, python, verbose)
         finally:
-            share_assets(tmp)
+            remove_assets(tmp)
         if run.timed_out:
             raise CompileError(f"compile worker timed out after {remaining:.0f} s; log: {log_file}")
         log = run.output

@@ -3,11 +3,9 @@
 The tt PJRT plugin (``jax-tt-plugin``) compiles without hardware when
 ``TT_COMPILE_ONLY_SYSTEM_DESC`` points at a system descriptor: a size-prefixed
 FlatBuffers buffer (file identifier ``TTSY``) describing the chips and their
-wiring.  This module writes such buffers with the ``flatbuffers`` Builder API
-directly (field slots follow the tt-mlir schema; see ``_ROOT``/``_SYS``/
-``_CHIP`` below), and reads back the parts we need for tests and error checks.
-
-Per-chip values come from ``chips.json`` next to this file.
+wiring. This module decides what a descriptor holds (the chips of ``chips.json`` next to this
+file, their grid and ethernet links, the schema hash the installed plugin accepts) and checks a
+descriptor against the plugin and a mesh; :mod:`.ttsys` encodes and decodes the format.
 """
 
 from __future__ import annotations
@@ -19,12 +17,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import flatbuffers
-from flatbuffers import encode, number_types as N
-from flatbuffers.table import Table
-
 from .. import systems
 from ..workers import atomic_write
+from . import ttsys
 
 __all__ = [
     "ARCHS",
@@ -46,54 +41,9 @@ __all__ = [
 ]
 
 PLUGIN_DIST = "jax-tt-plugin"
-FILE_IDENTIFIER = b"TTSY"
 TOPOLOGIES = ("none", "line", "ring", "torus", "machine")
 
 _CHIPS_JSON = Path(__file__).with_name("chips.json")
-
-# Enum values from the tt-mlir schema.
-_ARCH_ENUM = {"Wormhole_b0": 0, "Blackhole": 1, "Quasar": 2}
-_ARCH_NAME = {v: k for k, v in _ARCH_ENUM.items()}
-_CPU_ROLE = {"Host": 0, "Device": 1}
-_DATA_TYPE = {
-    "Float32": 0, "Float16": 1, "BFloat16": 2, "BFP_Float8": 3, "BFP_BFloat8": 4,
-    "BFP_Float4": 5, "BFP_BFloat4": 6, "BFP_Float2": 7, "BFP_BFloat2": 8,
-    "UInt32": 9, "UInt16": 10, "UInt8": 11, "Int32": 12,
-}
-_HOST_MMIO = 1  # ChipCapability bit flag
-
-# Vtable slot numbers (slot 0 first, in schema order).
-_ROOT = dict(version=0, schema_hash=1, ttmlir_git_hash=2, product_identifier=3, system_desc=4)
-_SYS = dict(cpu_descs=0, chip_descs=1, chip_desc_indices=2, chip_capabilities=3,
-            chip_coords=4, chip_channels=5)
-_CPU = dict(role=0, target_triple=1)
-# ChipDesc: (field, kind) in slot order.  Kinds: u32/u64 scalars, dim2d inline struct,
-# u16vec / dim2dvec vectors.
-_CHIP_FIELDS: tuple[tuple[str, str], ...] = (
-    ("arch", "arch"),
-    ("grid_size", "dim2d"),
-    ("coord_translation_offsets", "dim2d"),
-    ("l1_size", "u64"),
-    ("num_dram_channels", "u32"),
-    ("dram_channel_size", "u64"),
-    ("noc_l1_address_align_bytes", "u32"),
-    ("pcie_address_align_bytes", "u32"),
-    ("noc_dram_address_align_bytes", "u32"),
-    ("l1_unreserved_base", "u32"),
-    ("erisc_l1_unreserved_base", "u32"),
-    ("dram_unreserved_base", "u32"),
-    ("dram_unreserved_end", "u32"),
-    ("supported_data_types", "u16vec"),
-    ("supported_tile_sizes", "dim2dvec"),
-    ("dst_physical_size_tiles", "u32"),
-    ("num_cbs", "u32"),
-    ("num_compute_threads", "u32"),
-    ("num_datamovement_threads", "u32"),
-    ("dram_grid_size", "dim2d"),
-    ("dram_bank_to_logical_worker_noc0", "dim2dvec"),
-    ("dram_bank_to_logical_worker_noc1", "dim2dvec"),
-)
-_CHIP_SLOT = {name: i for i, (name, _) in enumerate(_CHIP_FIELDS)}
 
 # Ethernet cores used for chip-to-chip links, one per grid direction, given as
 # logical ethernet-core coordinates (y = ethernet channel, x = 0).  These are
@@ -284,62 +234,6 @@ def _channels(
 # ------------------------------------------------------------------------- writer
 
 
-def _dim2d(b: flatbuffers.Builder, d: dict[str, int] | tuple[int, int]) -> int:
-    y, x = (d["y"], d["x"]) if isinstance(d, dict) else d
-    b.Prep(4, 8)
-    b.PrependInt32(x)  # structs are written back to front
-    b.PrependInt32(y)
-    return b.Offset()
-
-
-def _struct_vector(b: flatbuffers.Builder, size: int, items: list, write) -> int:
-    b.StartVector(size, len(items), 4)
-    for it in reversed(items):
-        write(b, it)
-    return b.EndVector()
-
-
-def _scalar_vector(b: flatbuffers.Builder, prepend, size: int, items: list[int]) -> int:
-    b.StartVector(size, len(items), size)
-    for v in reversed(items):
-        prepend(v)
-    return b.EndVector()
-
-
-def _offset_vector(b: flatbuffers.Builder, offsets: list[int]) -> int:
-    b.StartVector(4, len(offsets), 4)
-    for o in reversed(offsets):
-        b.PrependUOffsetTRelative(o)
-    return b.EndVector()
-
-
-def _write_chip_desc(b: flatbuffers.Builder, chip: dict[str, Any]) -> int:
-    # Vectors must be finished before the table is started.
-    vecs = {}
-    for name, kind in _CHIP_FIELDS:
-        if kind == "u16vec":
-            vecs[name] = _scalar_vector(
-                b, b.PrependUint16, 2, [_DATA_TYPE[t] for t in chip[name]]
-            )
-        elif kind == "dim2dvec":
-            vecs[name] = _struct_vector(b, 8, chip[name], _dim2d)
-    b.StartObject(len(_CHIP_FIELDS))
-    for slot, (name, kind) in enumerate(_CHIP_FIELDS):
-        v = chip[name]
-        if kind == "arch":
-            b.PrependUint32Slot(slot, _ARCH_ENUM[v], 0)
-        elif kind == "u32":
-            b.PrependUint32Slot(slot, v, 0)
-        elif kind == "u64":
-            b.PrependUint64Slot(slot, v, 0)
-        elif kind == "dim2d":
-            # An inline struct must be placed immediately before its slot entry.
-            b.PrependStructSlot(slot, _dim2d(b, v), 0)
-        else:
-            b.PrependUOffsetTRelativeSlot(slot, vecs[name], 0)
-    return b.EndObject()
-
-
 def build_system_descriptor(
     arch: str,
     num_chips: int,
@@ -372,79 +266,8 @@ def build_system_descriptor(
     if len(grid) != 2 or grid[0] * grid[1] != num_chips or min(grid) < 1:
         raise ValueError(f"grid {grid} does not hold exactly {num_chips} chips")
     channels = _channels(arch, grid, topology)
-    roots = _data()["root_defaults"]
-
-    b = flatbuffers.Builder(4096)
-
-    # One ChipDesc per chip: a single shared ChipDesc (all indices 0) is known to
-    # crash the compiler.  FlatBuffers could share the table, but don't.
-    chip_offs = [_write_chip_desc(b, chip) for _ in range(num_chips)]
-
-    cpu_offs = []
-    for cpu in roots["cpu_descs"]:
-        triple = b.CreateString(cpu["target_triple"])
-        b.StartObject(len(_CPU))
-        b.PrependUint8Slot(_CPU["role"], _CPU_ROLE[cpu["role"]], 0)
-        b.PrependUOffsetTRelativeSlot(_CPU["target_triple"], triple, 0)
-        cpu_offs.append(b.EndObject())
-
-    cpu_vec = _offset_vector(b, cpu_offs)
-    chip_vec = _offset_vector(b, chip_offs)
-    idx_vec = _scalar_vector(b, b.PrependUint32, 4, list(range(num_chips)))
-    cap_vec = _scalar_vector(b, b.PrependUint32, 4, [_HOST_MMIO] * num_chips)
-
-    def coord(b: flatbuffers.Builder, yx: tuple[int, int]) -> None:
-        # ChipCoord {rack, shelf, y, x}: single rack and shelf.
-        b.Prep(4, 16)
-        b.PrependUint32(yx[1])
-        b.PrependUint32(yx[0])
-        b.PrependUint32(0)
-        b.PrependUint32(0)
-
-    rows, cols = grid
-    coords = [(i // cols, i % cols) for i in range(num_chips)]
-    coord_vec = _struct_vector(b, 16, coords, coord)
-
-    def channel(b: flatbuffers.Builder, ch) -> None:
-        # ChipChannel {device_id0, ethernet_core_coord0, device_id1, ethernet_core_coord1}
-        d0, c0, d1, c1 = ch
-        b.Prep(4, 24)
-        _dim2d(b, c1)
-        b.PrependUint32(d1)
-        _dim2d(b, c0)
-        b.PrependUint32(d0)
-
-    chan_vec = _struct_vector(b, 24, channels, channel)
-
-    b.StartObject(len(_SYS))
-    b.PrependUOffsetTRelativeSlot(_SYS["cpu_descs"], cpu_vec, 0)
-    b.PrependUOffsetTRelativeSlot(_SYS["chip_descs"], chip_vec, 0)
-    b.PrependUOffsetTRelativeSlot(_SYS["chip_desc_indices"], idx_vec, 0)
-    b.PrependUOffsetTRelativeSlot(_SYS["chip_capabilities"], cap_vec, 0)
-    b.PrependUOffsetTRelativeSlot(_SYS["chip_coords"], coord_vec, 0)
-    # Always emit the (possibly empty) vector so readers see a list, not absence.
-    b.PrependUOffsetTRelativeSlot(_SYS["chip_channels"], chan_vec, 0)
-    sys_off = b.EndObject()
-
-    hash_s = b.CreateString(schema_hash if schema_hash is not None else _default_schema_hash())
-    git_s = b.CreateString(roots["ttmlir_git_hash"])
-    prod_s = b.CreateString(roots["product_identifier"])
-
-    ver = roots["version"]
-    b.StartObject(len(_ROOT))
-    b.Prep(4, 8)  # Version {major: u16, minor: u16, patch: u32}
-    b.PrependUint32(ver["patch"])
-    b.PrependUint16(ver["minor"])
-    b.PrependUint16(ver["major"])
-    b.PrependStructSlot(_ROOT["version"], b.Offset(), 0)
-    b.PrependUOffsetTRelativeSlot(_ROOT["schema_hash"], hash_s, 0)
-    b.PrependUOffsetTRelativeSlot(_ROOT["ttmlir_git_hash"], git_s, 0)
-    b.PrependUOffsetTRelativeSlot(_ROOT["product_identifier"], prod_s, 0)
-    b.PrependUOffsetTRelativeSlot(_ROOT["system_desc"], sys_off, 0)
-    root = b.EndObject()
-
-    b.FinishSizePrefixed(root, file_identifier=FILE_IDENTIFIER)
-    return bytes(b.Output())
+    return ttsys.encode_descriptor(chip, num_chips, grid, channels, _data()["root_defaults"],
+                                   schema_hash if schema_hash is not None else _default_schema_hash())
 
 
 def write_system_descriptor(
@@ -462,57 +285,6 @@ def write_system_descriptor(
 # ------------------------------------------------------------------------- reader
 
 
-def _field(t: Table, slot: int) -> int:
-    return t.Offset(4 + 2 * slot)  # vtable entries follow the 2 header voffsets
-
-
-def _sub_table(t: Table, slot: int) -> Table | None:
-    o = _field(t, slot)
-    return Table(t.Bytes, t.Indirect(t.Pos + o)) if o else None
-
-
-def _string(t: Table, slot: int) -> str | None:
-    o = _field(t, slot)
-    return t.String(t.Pos + o).decode() if o else None
-
-
-def _scalar(t: Table, slot: int, flags) -> int:
-    o = _field(t, slot)
-    return t.Get(flags, t.Pos + o) if o else 0
-
-
-def _vector(t: Table, slot: int) -> tuple[int, int]:
-    """(start of element data, length); (0, 0) if absent."""
-    o = _field(t, slot)
-    return (t.Vector(o), t.VectorLen(o)) if o else (0, 0)
-
-
-def _read_dim2d(t: Table, pos: int) -> tuple[int, int]:
-    return t.Get(N.Int32Flags, pos), t.Get(N.Int32Flags, pos + 4)
-
-
-def _read_chip(t: Table) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for slot, (name, kind) in enumerate(_CHIP_FIELDS):
-        o = _field(t, slot)
-        if kind == "arch":
-            v = _scalar(t, slot, N.Uint32Flags)
-            out[name] = _ARCH_NAME.get(v, v)
-        elif kind == "u32":
-            out[name] = _scalar(t, slot, N.Uint32Flags)
-        elif kind == "u64":
-            out[name] = _scalar(t, slot, N.Uint64Flags)
-        elif kind == "dim2d":
-            out[name] = _read_dim2d(t, t.Pos + o) if o else (0, 0)
-        else:
-            start, n = _vector(t, slot)
-            if kind == "u16vec":
-                out[name] = [t.Get(N.Uint16Flags, start + 2 * i) for i in range(n)]
-            else:
-                out[name] = [_read_dim2d(t, start + 8 * i) for i in range(n)]
-    return out
-
-
 def read_system_descriptor(data: bytes) -> dict[str, Any]:
     """Decode the parts of a ``.ttsys`` buffer that matter here.
 
@@ -524,74 +296,12 @@ def read_system_descriptor(data: bytes) -> dict[str, Any]:
 
     Raises SystemDescriptorError if the buffer is not a size-prefixed ``TTSY`` buffer.
     """
-    buf = bytes(data)
-    if len(buf) < 12:
-        raise SystemDescriptorError(f"not a system descriptor: only {len(buf)} bytes")
-    size = encode.Get(N.Int32Flags.packer_type, buf, 0)
-    ident = buf[8:12]
-    if ident != FILE_IDENTIFIER or size != len(buf) - 4:
+    try:
+        out = ttsys.decode(data)
+    except ttsys.FormatError as e:
         raise SystemDescriptorError(
-            "not a size-prefixed TTSY system descriptor "
-            f"(identifier {ident!r}, size prefix {size}, {len(buf)} bytes). "
-            "Fix: regenerate it with wan_sharding.compile.sysdesc.write_system_descriptor."
-        )
-    root_pos = 4 + encode.Get(N.UOffsetTFlags.packer_type, buf, 4)
-    root = Table(buf, root_pos)
-
-    vo = _field(root, _ROOT["version"])
-    version = (
-        (root.Get(N.Uint16Flags, root.Pos + vo), root.Get(N.Uint16Flags, root.Pos + vo + 2),
-         root.Get(N.Uint32Flags, root.Pos + vo + 4))
-        if vo else (0, 0, 0)
-    )
-    out: dict[str, Any] = {
-        "version": version,
-        "schema_hash": _string(root, _ROOT["schema_hash"]),
-        "ttmlir_git_hash": _string(root, _ROOT["ttmlir_git_hash"]),
-        "product_identifier": _string(root, _ROOT["product_identifier"]),
-    }
-    sysd = _sub_table(root, _ROOT["system_desc"])
-    if sysd is None:
-        raise SystemDescriptorError("system descriptor has no system_desc table")
-
-    start, n = _vector(sysd, _SYS["cpu_descs"])
-    cpus = []
-    for i in range(n):
-        t = Table(buf, sysd.Indirect(start + 4 * i))
-        role = _scalar(t, _CPU["role"], N.Uint8Flags)
-        cpus.append(({v: k for k, v in _CPU_ROLE.items()}.get(role, role),
-                     _string(t, _CPU["target_triple"])))
-
-    start, n = _vector(sysd, _SYS["chip_descs"])
-    chips = [_read_chip(Table(buf, sysd.Indirect(start + 4 * i))) for i in range(n)]
-
-    start, n = _vector(sysd, _SYS["chip_desc_indices"])
-    indices = [sysd.Get(N.Uint32Flags, start + 4 * i) for i in range(n)]
-    start, n = _vector(sysd, _SYS["chip_capabilities"])
-    caps = [sysd.Get(N.Uint32Flags, start + 4 * i) for i in range(n)]
-    start, n = _vector(sysd, _SYS["chip_coords"])
-    coords = []
-    for i in range(n):
-        p = start + 16 * i  # rack, shelf, y, x
-        coords.append((sysd.Get(N.Uint32Flags, p + 8), sysd.Get(N.Uint32Flags, p + 12)))
-    start, n = _vector(sysd, _SYS["chip_channels"])
-    channels = []
-    for i in range(n):
-        p = start + 24 * i
-        channels.append((sysd.Get(N.Uint32Flags, p), _read_dim2d(sysd, p + 4),
-                         sysd.Get(N.Uint32Flags, p + 12), _read_dim2d(sysd, p + 16)))
-
-    out.update(
-        num_chips=len(indices),
-        # Our arch keys ("wormhole_b0"), not the schema enum names ("Wormhole_b0").
-        archs=[_ARCH_KEY.get(chips[i]["arch"]) if i < len(chips) else None for i in indices],
-        chip_desc_indices=indices,
-        chip_capabilities=caps,
-        coords=coords,
-        channels=channels,
-        cpus=cpus,
-        chips=chips,
-    )
+            f"{e}. Fix: regenerate it with wan_sharding.compile.sysdesc.write_system_descriptor.") from None
+    out["archs"] = [_ARCH_KEY.get(a) for a in out["archs"]]  # our keys ("wormhole_b0"), not the schema's names
     return out
 
 

@@ -17,8 +17,10 @@ Facts about the text this relies on (``jax-tt-plugin`` 0.1.3; more in ``docs/tt-
   ``all_gather_dim`` / ``scatter_dim`` / ``dim``;
 - tt-mlir reshapes all-reduce payloads to 4-D: the large ones are ``1x1xLxD``, the RMSNorm stats
   all-reduces ``1x1x1xL`` (one f32 per token);
-- ``func.func`` lines open functions; the ``const_eval`` ones are evaluated once when the program
-  is loaded, not in every forward.
+- ``func.func`` lines open functions; the ``const_eval`` ones (``tt.function_type = "const_eval"``,
+  named ``<entry>_const_eval_<n>``) are evaluated once when the program is loaded, not in every
+  forward: what tt-mlir hoists there is computed from arguments marked ``parameter`` or
+  ``constant`` alone (:mod:`.marking`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ COLLECTIVES = (
 REPORTED_OPS = ("all_gather", "all_reduce", "reduce_scatter", "mesh_partition", "slice_static", "pad",
                 "matmul", "linear", "softmax", "scaled_dot_product_attention", "reshape", "permute")
 
+# Ops that compute nothing a step waits on: deallocations, buffer and trace bookkeeping, the host's
+# creation of constant tensors. Left out of the "ops per block" counts (the basis of the per-block
+# tables in results/hardware.json and docs/compile-hardware.md).
+BOOKKEEPING_OPS = ("deallocate", "get_device", "empty", "write_tensor", "create_global_semaphore", "constant",
+                   "full", "zeros", "ones", "begin_trace_capture", "end_trace_capture", "execute_trace",
+                   "capture_or_execute_trace")
+
 _DTYPE_BYTES = {
     "f64": 8, "f32": 4, "si32": 4, "ui32": 4, "i32": 4, "bf16": 2, "f16": 2, "si16": 2, "ui16": 2,
     "i16": 2, "si8": 1, "ui8": 1, "i8": 1, "i1": 1, "si64": 8, "ui64": 8, "i64": 8,
@@ -52,6 +61,7 @@ _INT_ATTR = re.compile(r"\b(\w+) = (-?\d+) : [su]?i\d+")
 _BOOL_ATTR = re.compile(r"\b(\w+) = (true|false)\b")
 _REDUCE = re.compile(r"reduce_type<(\w+)>")
 _MESH_SHAPE = re.compile(r"mesh_shape (\d+(?:x\d+)*)>")
+_FUNC = re.compile(r"func\.func (?:\w+ )?@([\w.$-]+)")
 # Attributes that name the tensor dim a collective gathers, scatters or partitions.
 _DIM_ATTRS = ("all_gather_dim", "scatter_dim", "dim", "split_dim")
 
@@ -108,8 +118,8 @@ class Op:
 
     ``attrs`` holds the integer attributes (``cluster_axis``, ``all_gather_dim``, ...), ``flags``
     the boolean ones (``transpose_a``, ``transpose_b``, ...). ``const_eval``: the op sits in a
-    function evaluated once at load time. ``typed``: the line had the ``(operands) -> results``
-    signature this parser expects.
+    function evaluated once at load time; ``function``: that function's name. ``typed``: the line
+    had the ``(operands) -> results`` signature this parser expects.
     """
 
     name: str
@@ -120,6 +130,7 @@ class Op:
     line: int
     const_eval: bool = False
     typed: bool = True
+    function: str = ""  # the enclosing func.func's name
 
     @property
     def transpose_a(self) -> bool:
@@ -130,22 +141,22 @@ class Op:
         return bool(self.flags.get("transpose_b", False))
 
 
-def parse_op(line: str, lineno: int = 0, const_eval: bool = False) -> Op | None:
+def parse_op(line: str, lineno: int = 0, const_eval: bool = False, function: str = "") -> Op | None:
     """The op on one line of TTNN text, or None when the line has none."""
     m = _OP.search(line)
     if not m:
         return None
-    return _typed_op(m.group(1), line, lineno, const_eval)
+    return _typed_op(m.group(1), line, lineno, const_eval, function)
 
 
-def _typed_op(name: str, line: str, lineno: int, const_eval: bool = False) -> Op:
+def _typed_op(name: str, line: str, lineno: int, const_eval: bool = False, function: str = "") -> Op:
     # head: `%r = "dialect.x"(%a) <{attributes}>`; only the attributes there carry `name = value`.
     head, _, tail = line.partition(" : (")
     operands_txt, arrow, results_txt = tail.partition(") -> ")
     attrs = {k: int(v) for k, v in _INT_ATTR.findall(head)}
     flags = {k: v == "true" for k, v in _BOOL_ATTR.findall(head)}
     return Op(name, tensor_types(operands_txt), tensor_types(results_txt.split(" loc(")[0]), attrs, flags,
-              lineno, const_eval, bool(arrow))
+              lineno, const_eval, bool(arrow), function)
 
 
 def ttir_attention(text: str) -> list[Op]:
@@ -226,16 +237,18 @@ class TTNNModule:
         colls: list[Collective] = []
         op_list: list[Op] = []
         mesh_shape = None
-        const_eval = False
+        const_eval, function = False, ""
         previous = None  # the last op before this one, deallocations left out
         for lineno, line in enumerate(text.splitlines(), 1):
             if "func.func" in line:
                 const_eval = "const_eval" in line
+                m = _FUNC.search(line)
+                function = m.group(1) if m else ""
             names = _OP.findall(line)
             if not names:
                 continue
             ops.update(names)
-            op = parse_op(line, lineno, const_eval)
+            op = parse_op(line, lineno, const_eval, function)
             assert op is not None
             op_list.append(op)
             if mesh_shape is None and op.name == "get_device":
@@ -260,6 +273,12 @@ class TTNNModule:
         """The ops a forward runs: the const-eval functions left out, and any op named in ``skip``."""
         drop = set(skip)
         return [op for op in self.op_list if not op.const_eval and op.name not in drop]
+
+    def program_ops(self, const_eval: bool, skip: Iterable[str] = BOOKKEEPING_OPS) -> Counter:
+        """``Counter`` of op names in the const-eval functions (``const_eval=True``: run once, at
+        load) or in the rest (``False``: the step's program, run every call), ``skip`` left out."""
+        drop = set(skip)
+        return Counter(op.name for op in self.op_list if op.const_eval == const_eval and op.name not in drop)
 
     def histogram(self, skip: Iterable[str] = ("deallocate",)) -> dict[str, int]:
         """``{op name: count}``, most frequent first; deallocations are skipped by default."""

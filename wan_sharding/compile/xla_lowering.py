@@ -6,12 +6,13 @@ wraps bf16 attention in the fused SDPA composite; tt-mlir then compiles that mod
 does the same with stock torch-xla on CPU virtual devices, in its own worker process
 (``python -m wan_sharding.compile.xla_lowering``, started by :mod:`.runner`):
 
-1. build the DiT, shard it the ordinary way (``shard_dit_specs`` + ``xs.mark_sharding`` through
-   :class:`~wan_sharding.backends.xla.XlaBackend`, ``apply_dit_sp_activation_sharding(...,
-   backend="xla")``);
+1. build the DiT, shard it the ordinary way (:func:`~wan_sharding.compose.shard_dit` with an
+   :class:`~wan_sharding.backends.xla.XlaBackend`: ``xs.mark_sharding`` on every weight, the SP
+   hooks);
 2. trace one forward lazily (nothing executes) under :class:`.composites.HardwareComposites`,
    with every scalar inlined as a constant (the composite's body may not use values from
-   outside it; torch-xla's own exporter does the same);
+   outside it; torch-xla's own exporter does the same) and every argument marked parameter /
+   constant / input as tt-xla's torch backend marks it (:class:`.marking.XlaArgumentMarks`);
 3. take the pre-partitioning module (``xm.get_stablehlo``: global shapes, GSPMD shardings),
    convert it to Shardy (:func:`.shardy.gspmd_to_shardy`) and write it next to the IRs.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import workers
-from .request import CompileRequest
+from .request import CompileError, CompileRequest
 
 GSPMD_FILE = "stablehlo_gspmd.mlir"
 SHARDY_FILE = "stablehlo_shardy.mlir"
@@ -42,13 +43,14 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
 
-    from ..activation import apply_dit_sp_activation_sharding
     from ..backends.xla import XlaBackend
+    from ..compose import shard_dit
     from .composites import HardwareComposites
     from ..models import PER_TOKEN_TIMESTEPS, PROMPT_TOKENS, build_dit, config_for
     from ..options import torch_dtype
-    from ..specs import shard_dit_specs
+    from ..patches.prompt_kv import prompt_cache, prompt_state_like
     from .shardy import gspmd_to_shardy
 
     t0 = time.perf_counter()
@@ -57,15 +59,12 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
     overrides = {} if req.blocks is None else {"num_layers": req.blocks}
     # Uninitialised host weights: a compile reads shapes and dtypes, never values.
     dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides).to_empty(device="cpu")
-    if req.patches:  # rewrites first, then specs and SP (wan_sharding.patches)
-        from ..patches import apply_patches
-
-        apply_patches(dit, req.patches, mesh=req.plan if req.plan is not None else mesh)
-    specs = shard_dit_specs(dit, req.plan) if req.plan is not None else shard_dit_specs(dit, mesh)
+    # The ordinary composition (patches, specs, placement, SP hooks); with a plan, its roles, FSDP,
+    # layout and padding apply.
     backend = XlaBackend(mesh)
-    backend.place(dit, specs)
-    handle = apply_dit_sp_activation_sharding(dit, mesh, backend=backend, padding=req.padding, plan=req.plan,
-                                              anchor=req.anchor)
+    handle = shard_dit(dit, req.plan if req.plan is not None else mesh, backend=backend, padding=req.padding,
+                       patches=req.patches or (), anchor=req.anchor, keep_host_weights=False)
+    sp = handle.sp
     try:
         cfg = config_for(req.variant, req.size)
         dev = backend.device
@@ -77,15 +76,27 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
             "encoder_hidden_states": torch.zeros(req.batch, PROMPT_TOKENS[req.size], cfg["text_dim"],
                                                  dtype=dtype).to(dev),
         }
-        fused = HardwareComposites(backend, dit, req.composites, split_tokens=lambda: handle.state.padded_len) if req.composites != "none" else None
+        if prompt_cache(dit) is not None:  # prompt_kv: the step takes the prompt's K / V, made once per prompt
+            def placed_zeros(shape: tuple[int, ...], spec: tuple) -> torch.Tensor:
+                t = torch.zeros(shape, dtype=dtype).to(dev)
+                xs.mark_sharding(t, backend.native_mesh, spec)
+                return t
+
+            inputs["encoder_hidden_states"] = prompt_state_like(dit, req.batch, PROMPT_TOKENS[req.size], mesh,
+                                                                placed_zeros)
+        fused = HardwareComposites(backend, dit, req.composites, split_tokens=lambda: sp.state.padded_len) if req.composites != "none" else None
+        marks = argument_marks(dit, inputs) if req.mark_arguments else None
         t1 = time.perf_counter()
         torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)
         try:
-            with torch.no_grad(), (fused if fused is not None else contextlib.nullcontext()):
+            # the marks inside the composites: a composite's operands are then the marked values
+            with torch.no_grad(), (fused if fused is not None else contextlib.nullcontext()), \
+                    (marks if marks is not None else contextlib.nullcontext()):
                 out = dit(**inputs, return_dict=False)[0]
             gspmd = xm.get_stablehlo([out])
         finally:
             torch_xla._XLAC._set_xla_all_numbers_special_scalars(False)
+        check_marks(marks)
         shardy = gspmd_to_shardy(gspmd, mesh.shape, mesh.axis_names)
         t2 = time.perf_counter()
         out_dir = Path(req.out_dir)
@@ -94,14 +105,31 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
         workers.atomic_write(out_dir / SHARDY_FILE, shardy)
         return {
             "ok": True, "stablehlo_path": str(out_dir / SHARDY_FILE), "trace_seconds": round(t2 - t0, 3),
-            "build_seconds": round(t1 - t0, 3), "sp_points": handle.points, "tokens": handle.state.valid_len,
-            "padded_tokens": handle.state.padded_len, "sdpa_fused": fused.fused if fused is not None else 0,
+            "build_seconds": round(t1 - t0, 3), "sp_points": sp.points, "tokens": sp.state.valid_len,
+            "padded_tokens": sp.state.padded_len, "sdpa_fused": fused.fused if fused is not None else 0,
             "sdpa_plain": fused.plain if fused is not None else None,
             "composites_marked": fused.counts() if fused is not None else {},
+            "arguments_marked": dict(marks.counts) if marks is not None else {},
             "trace_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         }
     finally:
         handle.remove()
+
+
+def argument_marks(dit: Any, inputs: dict[str, Any]) -> Any:
+    """The mode that marks every argument of the trace with its role, as tt-xla's torch backend does
+    (:class:`.marking.XlaArgumentMarks`)."""
+    from .marking import XlaArgumentMarks
+
+    return XlaArgumentMarks(dit, inputs)
+
+
+def check_marks(marks: Any) -> None:
+    """A buffer or input the forward changed in place cannot be a constant: tt-xla would mark it an
+    input. The Wan DiT changes none; say so plainly if a patch ever does."""
+    if marks is not None and marks.mutated:
+        raise CompileError(f"argument marking: the forward changes {', '.join(marks.mutated)} in place, which "
+                           "tt-xla marks as an input, not a constant; compile with --no-argument-marks")
 
 
 def trace_batch(params: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -100,7 +100,7 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
     """Build the tiny DiT, run it unsharded and sharded on this process's devices, compare."""
     import torch
 
-    from .. import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
+    from ..compose import shard_dit
     from ..models import build_dit, dit_inputs
     from ..options import torch_dtype
 
@@ -111,23 +111,18 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
         reference = dit(**inputs, return_dict=False)[0]
 
     start = time.perf_counter()
-    sharded = copy.deepcopy(dit)  # the xla backend moves the model to the device
-    backend = get_backend(backend_name, mesh_name) if plan is None else get_backend(backend_name, plan.mesh(),
-                                                                                    spec=plan.mesh())
-    if case.patches:  # rewrites on the sharded copy only: the reference stays the vanilla model
-        from ..patches import apply_patches
-
-        apply_patches(sharded, case.patches.split("+"), mesh=backend.mesh)
-    specs = shard_dit_specs(sharded, plan if plan is not None else backend.mesh)
-    placed = backend.place(sharded, specs)
-    handle = apply_dit_sp_activation_sharding(sharded, backend.mesh, backend=backend, padding=case.padding, plan=plan)
+    sharded = copy.deepcopy(dit)  # rewrites and the device move act on the copy: the reference stays vanilla
+    handle = shard_dit(sharded, plan if plan is not None else mesh_name, backend=backend_name, padding=case.padding,
+                       patches=case.patches.split("+") if case.patches else ())
+    backend = handle.backend
     with torch.no_grad():
         # Compile once and run that program, so the collectives are read off what ran.
-        program = backend.compile(sharded, placed, **inputs)
+        program = backend.compile(sharded, handle.placed, **inputs)
         out = backend.to_host(program())
         collectives = backend.collective_counts(program)
     seconds = time.perf_counter() - start
-    info = handle.describe()
+    info = handle.sp.describe()
+    specs = handle.specs
     handle.remove()
 
     value, max_abs = compare(reference, out)

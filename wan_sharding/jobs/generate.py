@@ -2,7 +2,8 @@
 
 - :func:`run_generate`: the tiny offline pipeline (or a local checkpoint) with every expert
   sharded by :func:`wan_sharding.pipeline.shard_pipeline`, a few denoising steps through the
-  pipeline's own ``__call__``, the video (GIF, or MP4 with ``imageio-ffmpeg``) and a JSON summary.
+  pipeline's own ``__call__``, the video (H.264 MP4, or a GIF with ``--video-format gif``) and a JSON
+  summary.
   With ``compare`` the same pipeline first runs unsharded with the same seed and the final latents
   are compared.
 - :func:`compare_in_subprocess`: for tests and scripts: sharded vs unsharded latents per mesh,
@@ -166,7 +167,7 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     latents = final["latents"]
     tag = f"{p['mesh']}-{p['padding']}" if plan is None else "plan-" + plan.name.replace(" ", "_").replace("[", "").replace("]", "")
     stem = Path(p["out"]) / f"{variant}-{p['backend']}-{tag}{'' if cache == 'none' else '-' + cache}"
-    video = write_video(frames, stem)
+    video = write_video(frames, stem, video_format=p.get("video_format") or "mp4")
     expert = next(iter(info["experts"].values()))
     result.update(
         experts=list(info["experts"]), params=expert["params"], sp_points=len(expert.get("sp_points", [])),
@@ -298,7 +299,7 @@ def cache_compare_in_subprocess(backend: str, meshes: list[str], caches: list[st
     """Per cache kind and mesh: the tiny pipeline (``blocks`` per expert) sharded with that cache vs
     unsharded with the same cache (decisions, final latents), and vs the sharded run without a cache
     (drift). With ``timing``, warm runs cached and uncached, interleaved ``repeats`` times, and PSNR
-    of the decoded frames (the benchmark; :mod:`wan_sharding.caching.compare`). One worker for all."""
+    of the decoded frames (the benchmark; :mod:`wan_sharding.jobs.cache_compare`). One worker for all."""
     params = dict(kind="cache", meshes=meshes, caches=caches, variant=variant, steps=steps, padding=padding,
                   dtype="fp32", seed=seed, backend=backend, timing=timing, blocks=blocks, repeats=repeats)
     return _comparison_worker(params, [mesh_from_preset(m).num_devices for m in meshes], timeout)
@@ -306,7 +307,7 @@ def cache_compare_in_subprocess(backend: str, meshes: list[str], caches: list[st
 
 def _cache(p: dict[str, Any]) -> list[dict[str, Any]]:
     """The work of :func:`cache_compare_in_subprocess`; results are emitted as each run finishes."""
-    from ..caching.compare import cache_comparison
+    from .cache_compare import cache_comparison
 
     cache_comparison(p, emit)
     return []

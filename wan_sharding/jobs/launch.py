@@ -72,9 +72,11 @@ def prepare_worker(backend: str) -> None:
         from ..backends.xla import enable_spmd
 
         enable_spmd()
-    else:  # keep torch-xla's runtime out of a JAX process (diffusers' Wan loop would start it)
+    else:  # keep torch-xla's runtime (diffusers' Wan loop would start it) and unused plugins out of a JAX process
+        from ..backends.jax import keep_plugins_out_of_cpu_jax
         from ..pipeline.shard import diffusers_without_torch_xla
 
+        keep_plugins_out_of_cpu_jax()
         diffusers_without_torch_xla()
 
 

@@ -78,36 +78,30 @@ def _dynamo_graphs() -> dict[str, int]:
 
 
 def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
-    from .. import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
+    from ..backends import get_backend
+    from ..compose import resolve, shard_dit
     from ..mesh import MeshSpec
     from ..models import PER_TOKEN_TIMESTEPS, LatentShape, build_dit, dit_inputs
     from ..options import torch_dtype
     from ..pipeline import ShardedTransformer
-    from ..plan import ShardingPlan
     from ..pipeline.tiny import flow_scheduler, prompt_embeddings
+    from ..plan import ShardingPlan
     from ..specs import replicated_specs
 
     dtype = torch_dtype(p["dtype"])
     latent = LatentShape(*(int(v) for v in p["latent"].split(","))) if p.get("latent") \
         else LatentShape(*PROFILE_LATENTS[p["resolution"]])
     dit = build_dit(p["variant"], "tiny", dtype=dtype).requires_grad_(False)  # timed as inference
+    sharding = None
     if p["mesh"] == UNSHARDED:  # the baseline: one device, every weight replicated, no SP hooks, no padding
         backend = get_backend(p["backend"], MeshSpec((1, 1)))
         placed = backend.place(dit, replicated_specs(dit))
         sp, padding = None, "none"
-    else:
+    else:  # the plan's mesh and roles, FSDP, layout, padding; or the preset's
         plan = ShardingPlan.from_dict(p["plan"]) if p.get("plan") else None
-        if plan is not None:  # the plan's mesh and roles, FSDP, layout, padding
-            backend = get_backend(p["backend"], plan_mesh_arg(p["backend"], plan) or plan.mesh(), spec=plan.mesh())
-        else:
-            backend = get_backend(p["backend"], mesh_arg(p["backend"], p["mesh"]))
-        if p.get("patches"):  # rewrites first, then specs and SP
-            from ..patches import apply_patches
-
-            apply_patches(dit, p["patches"], mesh=backend.mesh)
-        placed = backend.place(dit, shard_dit_specs(dit, plan if plan is not None else backend.mesh))
-        sp = apply_dit_sp_activation_sharding(dit, backend.mesh, backend=backend, padding=p["padding"], plan=plan)
-        padding = p["padding"]
+        mesh = plan_mesh_arg(p["backend"], plan) if plan is not None else mesh_arg(p["backend"], p["mesh"])
+        sharding = shard_dit(dit, resolved=resolve(mesh, p["backend"], p["padding"], p.get("patches") or (), plan=plan))
+        backend, placed, sp, padding = sharding.backend, sharding.placed, sharding.sp, p["padding"]
     model = ShardedTransformer(dit, backend, placed, "transformer", padding, sp=sp)
     inputs = dit_inputs(p["variant"], latent, dtype=dtype)
     text_dim = dit.config.text_dim
@@ -194,7 +188,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             "median_s": statistics.median(timed) if timed else None,
             "min_s": min(timed) if timed else None, "max_s": max(timed) if timed else None, "times_s": timed,
             "forwards_per_iter": 1 if what == "dit" else 2, "note": note_for(p["backend"]),
-            "compiles": getattr(backend, "compiles", None),  # tt: torch.compile calls so far
+            "compiles": backend.compiles,  # tt: torch.compile calls so far
             **(_dynamo_graphs() if p["backend"] == "tt" else {}),
             "others_cpu_share": _others_share(marks[0], marks[-1]) if len(marks) == 2 else None,
             "host_cpus": os.cpu_count(), "cache": cache,
@@ -223,8 +217,8 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
                      if "cache_stats" in r and r["ratio_to_uncached"] is not None else ""), flush=True)
     if model.is_cache_enabled:
         model.disable_cache()
-    if sp is not None:
-        sp.remove()
+    if sharding is not None:
+        sharding.remove()
     print(f"note: {note_for(p['backend'])}", flush=True)
     return results
 

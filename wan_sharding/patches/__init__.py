@@ -8,17 +8,14 @@ details.
 
 ::
 
-    from wan_sharding.patches import apply_patches
+    from wan_sharding import shard_dit
 
-    patches = apply_patches(dit, ["patchify", "rope", "qkv", "rope_tables"], mesh="2x4")
-    specs = shard_dit_specs(dit, "2x4")                     # after the patches
-    sp = apply_dit_sp_activation_sharding(dit, "2x4", backend="jax")
+    handle = shard_dit(dit, "2x4", backend="jax", patches="exact")  # every exact patch (EXACT_PATCHES)
     ...
-    sp.remove()
-    patches.remove()                                        # the vanilla model again
+    handle.remove()                                         # SP off, then the vanilla model again
 
 Order: patches first, then ``shard_dit_specs`` and ``apply_dit_sp_activation_sharding``.
-``patchify``, ``rope_tables`` and ``adaln_bf16`` also work on a model that already has SP hooks;
+``patchify``, ``rope_tables``, ``prompt_kv`` and ``adaln_bf16`` also work on a model that already has SP hooks;
 ``rope`` and ``qkv`` replace the self-attention processor that SP's padding modes wrap, so on such a
 model (and for their removal while SP is on) they raise PatchError saying to remove SP first.
 ``shard_dit_specs`` must always run after the patches (``patchify`` and ``qkv`` make new parameters).
@@ -33,30 +30,42 @@ from typing import Any
 
 import torch
 
-from . import adaln_bf16, patchify, qkv, rope, rope_tables
+from ..hooks import has_sp
+from . import adaln_bf16, patchify, prompt_kv, qkv, rope, rope_tables
 from .base import Patch, PatchContext, PatchError
 
 # name -> patch, in the order ``apply_patches`` applies them (``rope`` before ``qkv`` fuses its
-# permuted weights, and before ``rope_tables`` caches its layout)
+# permuted weights, and before ``rope_tables`` caches its layout; ``prompt_kv`` reads whichever
+# projections the processor has)
 PATCHES: dict[str, Patch] = {
-    p.name: p for p in (patchify.PATCH, rope.PATCH, qkv.PATCH, rope_tables.PATCH, adaln_bf16.PATCH)
+    p.name: p for p in (patchify.PATCH, rope.PATCH, qkv.PATCH, rope_tables.PATCH, prompt_kv.PATCH, adaln_bf16.PATCH)
 }
 EXACT_PATCHES: tuple[str, ...] = tuple(n for n, p in PATCHES.items() if p.exact)
+EXACT = "exact"  # the name that selects every exact patch (apply_patches, --patches)
+
+
+def patch_names(names: str | Sequence[str]) -> list[str]:
+    """``names`` with :data:`EXACT` (``"exact"``) replaced by every name of :data:`EXACT_PATCHES`
+    not given otherwise, in place; a single name may be given as a string. Other names are kept as
+    they are (``apply_patches`` checks them)."""
+    if isinstance(names, str):
+        names = [names]
+    out: list[str] = []
+    for n in names:
+        if n == EXACT:
+            out.extend(m for m in EXACT_PATCHES if m not in names and m not in out)
+        else:
+            out.append(n)
+    return out
 
 # model -> {patch name: the handle that applied it}. Weak: a dropped model is forgotten.
-_APPLIED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, PatchesHandle]]" = weakref.WeakKeyDictionary()
+_PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, PatchesHandle]]" = weakref.WeakKeyDictionary()
 
 
 def applied_patches(dit: torch.nn.Module) -> tuple[str, ...]:
     """The names of the patches currently applied to ``dit``, in application order."""
-    on = _APPLIED.get(dit, {})
+    on = _PATCHED.get(dit, {})
     return tuple(n for n in PATCHES if n in on)
-
-
-def _has_sp(dit: torch.nn.Module) -> bool:
-    from ..activation import _APPLIED as SP_APPLIED
-
-    return dit in SP_APPLIED
 
 
 @dataclass
@@ -88,9 +97,9 @@ class PatchesHandle:
         of these."""
         if self.removed:
             return
-        on = _APPLIED.get(self.dit, {})
+        on = _PATCHED.get(self.dit, {})
         others = {n for n, h in on.items() if h is not self}
-        if _has_sp(self.dit):
+        if has_sp(self.dit):
             stuck = [n for n in self.names if not PATCHES[n].after_sp]
             if stuck:
                 raise PatchError(f"patch {stuck[0]!r} cannot be removed while sequence parallelism is applied (its "
@@ -127,33 +136,19 @@ def _mesh_spec(mesh: Any):
         raise PatchError(str(e)) from None
 
 
-def apply_patches(dit: torch.nn.Module, names: Sequence[str], *, mesh: Any = None) -> PatchesHandle:
-    """Apply the named rewrites to this model instance.
+def check_patches(dit: torch.nn.Module, names: Sequence[str] | str, *, mesh: Any = None) -> None:
+    """Every check :func:`apply_patches` makes before it changes anything, alone: PatchError (one
+    line) when the named patches do not fit ``dit`` on ``mesh``; the model is not changed."""
+    _checked(dit, names, mesh)
 
-    Args:
-        dit: a diffusers ``WanTransformer3DModel`` (real weights or on the ``meta`` device).
-        names: patch names from :data:`PATCHES` (``"patchify"``, ``"rope"``, ``"qkv"``,
-            ``"rope_tables"``, ``"adaln_bf16"``), in any order: they are applied in the order of
-            :data:`PATCHES`.
-        mesh: the mesh the model will be sharded on (a preset name, :class:`MeshSpec`,
-            :class:`ShardingPlan`, or a torch-xla / JAX mesh). ``qkv`` lays its weights out for
-            this mesh's TP degree and raises PatchError without it; other patches ignore it.
 
-    Returns:
-        A :class:`PatchesHandle`; ``handle.remove()`` restores the vanilla model.
-
-    Raises:
-        PatchError: an unknown or repeated name, a patch already applied to this model, not a Wan
-            model, a model or config a patch does not fit, a patch that must precede one already
-            applied, or ``rope`` / ``qkv`` on a model that already has SP hooks. Every check runs
-            before anything is changed.
-    """
-    if isinstance(names, str):
-        names = [names]
-    names = list(names)
+def _checked(dit: torch.nn.Module, names: Sequence[str] | str, mesh: Any) -> tuple[list[str], PatchContext]:
+    """The patch names in application order and their context, once every check passed."""
+    names = patch_names(names)
     unknown = [n for n in names if n not in PATCHES]
     if unknown:
-        raise PatchError(f"unknown patch {unknown[0]!r}; choose from {', '.join(PATCHES)}")
+        raise PatchError(f"unknown patch {unknown[0]!r}; choose from {', '.join(PATCHES)} (or {EXACT!r} for every "
+                         "exact one)")
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise PatchError(f"patch {repeated[0]!r} is named twice; name each patch once")
@@ -163,12 +158,12 @@ def apply_patches(dit: torch.nn.Module, names: Sequence[str], *, mesh: Any = Non
         raise PatchError(f"patches rewrite a diffusers WanTransformer3DModel, got {type(dit).__name__}; pass the "
                          "pipeline's transformer (pipe.transformer / pipe.transformer_2)")
     ordered = [n for n in PATCHES if n in names]
-    on = _APPLIED.get(dit, {})
+    on = _PATCHED.get(dit, {})
     for n in ordered:
         if n in on:
             raise PatchError(f"patch {n!r} is already applied to this model; call its PatchesHandle's remove() "
                              "first, or leave it on")
-    if _has_sp(dit):
+    if has_sp(dit):
         late = [n for n in ordered if not PATCHES[n].after_sp]
         if late:
             raise PatchError(f"patch {late[0]!r} must be applied before sequence parallelism: call the SP handle's "
@@ -182,8 +177,34 @@ def apply_patches(dit: torch.nn.Module, names: Sequence[str], *, mesh: Any = Non
     for n in ordered:
         PATCHES[n].check(dit, ctx)
 
+    return ordered, ctx
+
+
+def apply_patches(dit: torch.nn.Module, names: Sequence[str] | str, *, mesh: Any = None) -> PatchesHandle:
+    """Apply the named rewrites to this model instance.
+
+    Args:
+        dit: a diffusers ``WanTransformer3DModel`` (real weights or on the ``meta`` device).
+        names: patch names from :data:`PATCHES` (``"patchify"``, ``"rope"``, ``"qkv"``,
+            ``"rope_tables"``, ``"prompt_kv"``, ``"adaln_bf16"``), in any order: they are applied
+            in the order of :data:`PATCHES`; ``"exact"`` stands for every exact one
+            (:data:`EXACT_PATCHES`).
+        mesh: the mesh the model will be sharded on (a preset name, :class:`MeshSpec`,
+            :class:`ShardingPlan`, or a torch-xla / JAX mesh). ``qkv`` lays its weights out for
+            this mesh's TP degree and raises PatchError without it; other patches ignore it.
+
+    Returns:
+        A :class:`PatchesHandle`; ``handle.remove()`` restores the vanilla model.
+
+    Raises:
+        PatchError: an unknown or repeated name, a patch already applied to this model, not a Wan
+            model, a model or config a patch does not fit, a patch that must precede one already
+            applied, or ``rope`` / ``qkv`` on a model that already has SP hooks. Every check runs
+            before anything is changed.
+    """
+    ordered, ctx = _checked(dit, names, mesh)
     handle = PatchesHandle(dit, tuple(ordered), ctx.mesh)
-    record = _APPLIED.setdefault(dit, {})
+    record = _PATCHED.setdefault(dit, {})
     try:
         for n in ordered:
             handle._undo.append((n, PATCHES[n].apply(dit, ctx)))
@@ -196,4 +217,5 @@ def apply_patches(dit: torch.nn.Module, names: Sequence[str], *, mesh: Any = Non
     return handle
 
 
-__all__ = ["EXACT_PATCHES", "PATCHES", "Patch", "PatchError", "PatchesHandle", "applied_patches", "apply_patches"]
+__all__ = ["EXACT", "EXACT_PATCHES", "PATCHES", "Patch", "PatchError", "PatchesHandle", "applied_patches",
+           "apply_patches", "check_patches", "patch_names"]

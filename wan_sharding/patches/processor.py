@@ -1,13 +1,16 @@
-"""The per-instance attention processor that the ``rope`` and ``qkv`` patches share.
+"""The per-instance attention processor that the ``rope``, ``qkv`` and ``prompt_kv`` patches share.
 
 It computes what diffusers' ``WanAttnProcessor`` computes (projections, RMSNorm across heads,
-rotary, SDPA, output projection), with two switches the patches set on one module's processor:
+rotary, SDPA, output projection), with three switches the patches set on one module's processor:
 
-- ``half_rotary``: rotary as ``x * cos + rotate_half(x) * sin`` on q / k whose channels are laid
-  out in halves (the ``rope`` patch permutes the weights to match); otherwise diffusers'
-  interleaved-pair form.
+- ``half_rotary``: rotary as ``x * cos + swap_halves(x) * sin`` (the sign folded into the sin
+  table) on q / k whose channels are laid out in halves (the ``rope`` patch permutes the weights
+  to match); otherwise diffusers' interleaved-pair form.
 - ``qkv_groups``: the projections come from one fused Linear (``to_qkv`` for self-attention,
   ``to_kv`` for cross-attention) whose rows are interleaved per TP shard (the ``qkv`` patch).
+- ``prompt_key``: a cross-attention that may be handed its K / V ready-made, computed once per
+  prompt (the ``prompt_kv`` patch): given the prompt state (a dict) in place of the text
+  embedding, it reads its own entry instead of projecting.
 
 It also provides ``attend(attn, hidden_states, rotary_emb, keep)``: self-attention with K / V cut to
 the first ``keep`` tokens before SDPA, which ``wan_sharding.attention.SliceKV`` (the ``slice``
@@ -25,23 +28,35 @@ from typing import Any
 import torch
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dim (its two halves)."""
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [x2, x1]`` on the last dim (its two halves)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x2, x1), dim=-1)
+
+
+def widen(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``x`` in the wider of its and ``table``'s dtypes (what ``x * table`` promotes to: bf16 q / k
+    against f32 rope tables). Read from the item sizes, not ``torch.promote_types``, which torchax
+    has no lowering for; where neither is wider, the products still promote as they would."""
+    return x.to(table.dtype) if table.dtype.itemsize > x.dtype.itemsize else x
 
 
 def half_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary on a head dim laid out in halves (first elements of all pairs, then the second
-    elements), with ``cos`` / ``sin`` tables laid out the same way. The values are the interleaved
-    form's, permuted: ``a + (-b) * s`` is ``a - b * s`` exactly in IEEE arithmetic."""
-    return (x * cos + rotate_half(x) * sin).type_as(x)
+    elements), with ``cos`` / ``sin`` tables laid out the same way and the rotation's sign folded
+    into ``sin`` (``[-s | s]``, :func:`~wan_sharding.patches.rope.half_rope_forward`):
+    ``x * cos + swap_halves(x) * sin``, with ``x`` cast once (:func:`widen`), where
+    ``x * cos + rotate_half(x) * sin`` cast it once per product and negated half of it. The values
+    are the interleaved form's, permuted, bit for bit: casting bf16 up is exact, before or after
+    the swap, and ``a + b * (-s)`` is ``a - b * s`` in IEEE arithmetic."""
+    wide = widen(x, cos)
+    return (wide * cos + swap_halves(wide) * sin).type_as(x)
 
 
 def interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    from ..attention import _apply_rotary
+    from ..attention import apply_rotary
 
-    return _apply_rotary(x, cos, sin)
+    return apply_rotary(x, cos, sin)
 
 
 class PatchedAttnProcessor:
@@ -55,6 +70,7 @@ class PatchedAttnProcessor:
         self.original = original
         self.half_rotary = False
         self.qkv_groups: int | None = None
+        self.prompt_key: str | None = None
         self._attention_backend = getattr(original, "_attention_backend", None)
         self._parallel_config = getattr(original, "_parallel_config", None)
 
@@ -73,7 +89,8 @@ class PatchedAttnProcessor:
     def release(attn: torch.nn.Module) -> None:
         """Give ``attn`` its original processor back once no patch uses this one."""
         proc = attn.processor
-        if isinstance(proc, PatchedAttnProcessor) and not proc.half_rotary and proc.qkv_groups is None:
+        if (isinstance(proc, PatchedAttnProcessor) and not proc.half_rotary and proc.qkv_groups is None
+                and proc.prompt_key is None):
             attn.set_processor(proc.original)
 
     @staticmethod
@@ -88,9 +105,9 @@ class PatchedAttnProcessor:
             return "diffusers' own fuse_projections() is applied; call unfuse_projections() first"
         if type(proc) is WanAttnProcessor or isinstance(proc, PatchedAttnProcessor):
             return None
-        from ..attention import _PaddedAttention
+        from ..attention import PaddedAttention
 
-        if isinstance(proc, _PaddedAttention):
+        if isinstance(proc, PaddedAttention):
             return ("it carries the sequence-parallel padding processor; remove the SP handle, apply the "
                     "patches, then apply_dit_sp_activation_sharding again")
         return f"its processor is a {type(proc).__name__}, not diffusers' stock WanAttnProcessor"
@@ -104,15 +121,35 @@ class PatchedAttnProcessor:
         if encoder_hidden_states is None:  # rows [q_0, k_0, v_0, q_1, k_1, v_1, ...] per TP shard
             q, k, v = attn.to_qkv(hidden_states).unflatten(-1, (g, 3, -1)).unbind(-2)
             return q.flatten(-2), k.flatten(-2), v.flatten(-2)
+        return (attn.to_q(hidden_states), *self.kv_projections(attn, context))
+
+    def kv_projections(self, attn, context):
+        """Cross-attention's K and V projections of the (embedded) prompt, before ``norm_k``."""
+        g = self.qkv_groups
+        if g is None:
+            return attn.to_k(context), attn.to_v(context)
         k, v = attn.to_kv(context).unflatten(-1, (g, 2, -1)).unbind(-2)  # rows [k_0, v_0, k_1, v_1, ...]
-        return attn.to_q(hidden_states), k.flatten(-2), v.flatten(-2)
+        return k.flatten(-2), v.flatten(-2)
+
+    def prompt_kv(self, attn, context):
+        """What a cross-attention computes from the prompt alone: K after ``norm_k``, and V, each
+        (B, S, channels), as :meth:`attend` would before the head split."""
+        key, value = self.kv_projections(attn, context)
+        return attn.norm_k(key), value
 
     def attend(self, attn, hidden_states, rotary_emb, keep: int | None, encoder_hidden_states=None,
                attention_mask=None):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        query, key, value = self.projections(attn, hidden_states, encoder_hidden_states)
-        query, key = attn.norm_q(query), attn.norm_k(key)
+        if isinstance(encoder_hidden_states, dict):  # the prompt state: K / V made once per prompt
+            if self.prompt_key is None:
+                raise ValueError("this cross-attention got a prompt state (a dict) in place of the text embedding, but "
+                                 "the 'prompt_kv' patch is not applied to it; pass the prompt embedding itself")
+            query = attn.norm_q(attn.to_q(hidden_states))
+            key, value = encoder_hidden_states[self.prompt_key]
+        else:
+            query, key, value = self.projections(attn, hidden_states, encoder_hidden_states)
+            query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         if rotary_emb is not None:
             rotary = half_rotary if self.half_rotary else interleaved_rotary
@@ -135,4 +172,4 @@ class PatchedAttnProcessor:
 
     def __repr__(self) -> str:
         return (f"PatchedAttnProcessor(half_rotary={self.half_rotary}, qkv_groups={self.qkv_groups}, "
-                f"original={type(self.original).__name__})")
+                f"prompt_key={self.prompt_key!r}, original={type(self.original).__name__})")

@@ -20,7 +20,7 @@ depends on the TP degree: ``apply_patches(dit, ["qkv"], mesh=...)`` reads it fro
 raises PatchError without one). The math is right on any mesh (the processor unpacks with the
 layout's own degree); only a mesh with another TP degree would split heads across devices.
 
-``WAN_TP_PLAN`` names ``blocks.*.attn1.to_qkv`` and ``blocks.*.attn2.to_kv`` colwise, so
+``WAN_TP_TABLE`` names ``blocks.*.attn1.to_qkv`` and ``blocks.*.attn2.to_kv`` colwise, so
 ``shard_dit_specs`` covers the patched model (run it after the patch). The original Linear modules
 keep their objects but give their storage up while fused (no second copy of the weights); ``remove()``
 writes the fused rows back into them and puts them back in their places.

@@ -24,7 +24,7 @@ slicing and concatenating copy them), in the dtype of those buffers at call time
 bit-identical output (max-abs 0) in fp32 on the CPU.
 
 Composition with sequence parallelism: the SP plan splits the rope module's outputs (a forward
-hook on ``rope``, ``WAN_SP_PLAN``). Hooks run around whatever ``forward`` the instance has, so the
+hook on ``rope``, ``WAN_SP_POINTS``). Hooks run around whatever ``forward`` the instance has, so the
 SP hook still pads and constrains the cached tables: the only ops left in the graph for them are
 the SP pad and constraints (the pad folds into the constant on ``jax``). Works applied before or
 after SP. Apply after ``rope`` (the tables follow the layout of the forward they cache;

@@ -1,9 +1,9 @@
 """Pipeline integration: shard a whole diffusers Wan 2.2 pipeline and run it as usual.
 
 - :mod:`.shard`: :func:`shard_pipeline` (every expert, the pipeline's own ``__call__``), with
-  :mod:`.standin` (the stand-in per expert), :mod:`.handle` (the handle and its undo),
-  :mod:`.resolve` (plan, mesh, padding, backend) and :mod:`.stacks` (the JAX / torch-xla guard), and the
-  reversible :class:`PipelineHandle`;
+  :mod:`.standin` (the stand-in per expert), :mod:`.handle` (the handle and its undo) and
+  :mod:`.stacks` (the JAX / torch-xla guard), and the reversible :class:`PipelineHandle`; each expert is
+  sharded by :func:`wan_sharding.compose.shard_dit`;
 - :mod:`.tiny`: an offline tiny pipeline per variant (random weights, no download) and loading a
   local checkpoint;
 - :mod:`.video`: writing the frames a pipeline returns.

@@ -1,8 +1,8 @@
 """What :func:`.shard.shard_pipeline` did to one pipeline, and how ``remove()`` undoes it.
 
 :class:`PipelineHandle` holds one :class:`ShardedExpert` per expert (the original model, its
-specs, SP hooks, patches and stand-in, and the host weights it came with) and restores every one
-of them: the same objects back in the pipeline, on the device they came from.
+:class:`~wan_sharding.compose.DitHandle` and its stand-in) and restores every one of them: the same
+objects back in the pipeline, on the device they came from.
 """
 
 from __future__ import annotations
@@ -11,12 +11,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from ..activation import SPHandle
-from ..backends import Backend
-from ..mesh import MeshSpec
-from ..specs import ShardSpecs
+from ..compose import DitHandle, OnResolved, Resolved
 from .standin import ShardedTransformer
 
 __all__ = ["PipelineHandle", "ShardedExpert", "register_handle", "sharded_handle"]
@@ -28,58 +23,53 @@ _SHARDED: "weakref.WeakKeyDictionary[Any, weakref.ref[PipelineHandle]]" = weakre
 
 @dataclass(eq=False)
 class ShardedExpert:
-    """One expert of a sharded pipeline: the original model, what was done to it, its stand-in."""
+    """One expert of a sharded pipeline: the original model, how it was sharded (its
+    :class:`~wan_sharding.compose.DitHandle`; ``None`` for the second slot of a model that fills
+    both), its stand-in, and the pipeline's config entry for it."""
 
     name: str
-    dit: torch.nn.Module
-    wrapper: ShardedTransformer
-    specs: ShardSpecs
-    sp: SPHandle | None
-    original_device: torch.device
+    dit: Any
+    wrapper: ShardedTransformer | None
+    sharding: DitHandle | None
     config_entry: Any
-    moved: bool = False
-    host_tensors: list | None = None  # (module, "param"|"buffer", name, tensor) before placement
-    patches: Any = None  # the PatchesHandle of its model rewrites (wan_sharding.patches), if any
+
+    @property
+    def specs(self) -> Any:
+        return self.sharding.specs if self.sharding is not None else None
+
+    @property
+    def patches(self) -> Any:
+        """The PatchesHandle of its model rewrites, if any."""
+        return self.sharding.patches if self.sharding is not None else None
 
 
 @dataclass(eq=False)
-class PipelineHandle:
+class PipelineHandle(OnResolved):
     """What :func:`shard_pipeline` did to one pipeline; ``remove()`` undoes it."""
 
     pipe: Any
-    backend: Backend
-    padding: str
+    resolved: Resolved
     experts: list[ShardedExpert] = field(default_factory=list)
     removed: bool = False
-    plan: Any = None  # the ShardingPlan applied, if any
-
-    @property
-    def mesh(self) -> MeshSpec:
-        return self.backend.mesh
 
     @property
     def components(self) -> list[str]:
         return [e.name for e in self.experts]
 
     def remove(self) -> None:
-        """Put the original experts back in the pipeline (the same objects), remove their SP hooks
-        and attention processors, and move them back to the device they were on."""
+        """Put the original experts back in the pipeline (the same objects), after undoing each
+        one's sharding (SP hooks, placement, patches: :meth:`DitHandle.remove`)."""
         if self.removed:
             return
         errors = []
         for e in reversed(self.experts):
             try:
                 if e.wrapper is not None and e.wrapper._dit is not None:
-                    from ..caching import release_model_cache
+                    from ..caching.model import release_model_cache
 
                     release_model_cache(e.dit)  # the cache stays enabled, without this backend's pieces
-                if e.sp is not None:
-                    e.sp.remove()
-                if e.moved:
-                    _return_to_host(e)
-                self.backend.release(e.dit)  # jax: drop the compiled forward
-                if e.patches is not None:  # after SP: a patch's processor is wrapped by SP's
-                    e.patches.remove()
+                if e.sharding is not None:
+                    e.sharding.remove()
                 if e.wrapper is not None:
                     e.wrapper._release()
                 if getattr(self.pipe, e.name, None) is not e.dit:
@@ -104,14 +94,14 @@ class PipelineHandle:
             "padding": self.padding, "pipeline": type(self.pipe).__name__,
             "plan": None if self.plan is None else self.plan.name,
             "experts": {
-                e.name: {"params": e.specs.counts(), "forwards": e.wrapper.calls if e.wrapper is not None else 0,
-                         **({k: v for k, v in e.sp.describe().items() if k in ("sp_points", "last_tokens",
-                                                                              "last_padded_tokens")}
-                            if e.sp is not None else {})}
+                e.name: {"params": e.specs.counts() if e.specs is not None else {},
+                         "forwards": e.wrapper.calls if e.wrapper is not None else 0,
+                         **({k: v for k, v in e.sharding.sp.describe().items() if k in ("sp_points", "last_tokens",
+                                                                                      "last_padded_tokens")}
+                            if e.sharding is not None and e.sharding.sp is not None else {})}
                 for e in self.experts
             },
         }
-
 
     def placed_weight_bytes(self) -> dict[str, list[int]]:
         """Per expert, the bytes of its parameters each device holds, read from the backend's
@@ -120,41 +110,10 @@ class PipelineHandle:
                 if e.wrapper is not None and e.wrapper._dit is not None}
 
 
-def _restore_component(pipe: Any, name: str, dit: torch.nn.Module, config_entry: Any) -> None:
+def _restore_component(pipe: Any, name: str, dit: Any, config_entry: Any) -> None:
     setattr(pipe, name, dit)  # the pipeline's own __setattr__ records the class in pipe.config again
     if config_entry is not None and pipe.config.get(name) != config_entry:
         pipe.register_to_config(**{name: config_entry})
-
-
-def _host_tensors(dit: torch.nn.Module) -> list:
-    """Every parameter and buffer object of ``dit``, with where it sits."""
-    out = []
-    for module in dit.modules():
-        out += [(module, "param", n, t) for n, t in module._parameters.items() if t is not None]
-        out += [(module, "buffer", n, t) for n, t in module._buffers.items() if t is not None]
-    return out
-
-
-def _return_to_host(e: "ShardedExpert") -> None:
-    """Back to the host: the original parameter and buffer objects when they were kept (exact, and
-    no device-to-host copy), else a copy of the device weights via ``.to(original_device)``."""
-    if e.host_tensors is None:
-        e.dit.to(e.original_device)
-        return
-    for module, kind, name, tensor in e.host_tensors:
-        if kind == "param":
-            if module._parameters.get(name) is not tensor:
-                module.register_parameter(name, tensor)
-        elif module._buffers.get(name) is not tensor:
-            module.register_buffer(name, tensor, persistent=name not in module._non_persistent_buffers_set)
-    if any(t.device != e.original_device for *_, t in e.host_tensors):  # moved in place (same objects)
-        e.dit.to(e.original_device)
-
-
-def _model_device(dit: torch.nn.Module) -> torch.device:
-    for p in dit.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def register_handle(pipe: Any, handle: PipelineHandle) -> None:

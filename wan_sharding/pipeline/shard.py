@@ -1,9 +1,10 @@
 """Shard a whole diffusers Wan 2.2 pipeline: every expert, with the pipeline's own ``__call__``.
 
 :func:`shard_pipeline` takes a ``WanPipeline`` or ``WanImageToVideoPipeline`` (T2V-A14B and
-I2V-A14B: ``transformer`` + ``transformer_2``; TI2V-5B: ``transformer`` only) and, for each expert,
-computes the TP specs, places the weights on the mesh, installs the SP hooks, and puts a small
-:class:`ShardedTransformer` in the pipeline in its place. The wrapper exposes what the pipeline's
+I2V-A14B: ``transformer`` + ``transformer_2``; TI2V-5B: ``transformer`` only), resolves the request
+once (:func:`wan_sharding.compose.resolve`), checks every expert, then shards each one with
+:func:`wan_sharding.compose.shard_dit` and puts a small :class:`ShardedTransformer` in the pipeline
+in its place. The wrapper exposes what the pipeline's
 denoising loop uses (``config``, ``dtype``, ``device``, ``cache_context``, ``forward``) and runs
 the forward through the backend; inputs and outputs stay on the host, so the pipeline's latents,
 CFG, scheduler and VAE run as usual. The real model is held by the wrapper but not registered as
@@ -12,12 +13,11 @@ its submodule, so ``pipe.device`` / ``pipe._execution_device`` stay the host dev
 
 Nothing on any diffusers class is replaced: components are swapped through the pipeline's own
 attribute assignment (which also records them in ``pipe.config``), and the returned
-:class:`PipelineHandle`'s ``remove()`` puts the original objects back, removes the SP hooks and
-returns the experts to the device they came from.
+:class:`PipelineHandle`'s ``remove()`` undoes each expert's sharding and puts the original objects
+back.
 
 The pieces: :mod:`.standin` (the stand-in), :mod:`.handle` (the handle and the undo),
-:mod:`.resolve` (plan, mesh, padding and backend checked against each other), :mod:`.stacks` (the
-JAX / torch-xla guard).
+:mod:`.stacks` (the JAX / torch-xla guard).
 """
 
 from __future__ import annotations
@@ -26,17 +26,12 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from ..activation import _APPLIED, apply_dit_sp_activation_sharding
 from ..backends import Backend
-from ..options import PADDING_NAMES
-from ..specs import ShardingError, ShardSpecs, check_wan_model, shard_dit_specs
-from .handle import (PipelineHandle, ShardedExpert, _host_tensors, _model_device, register_handle,
-                     sharded_handle)
-from .resolve import backend_for as _backend_for
-from .resolve import load_plan as _load_plan
-from .resolve import plan_mesh_and_padding as _plan_mesh_and_padding
-from .stacks import diffusers_without_torch_xla
-from .stacks import warn_if_torch_xla_in_jax_process as _warn_if_torch_xla_in_jax_process
+from ..compose import check_dit, resolve, shard_dit
+from ..hooks import has_sp
+from ..specs import ShardingError, check_wan_model
+from .handle import PipelineHandle, ShardedExpert, register_handle, sharded_handle
+from .stacks import diffusers_without_torch_xla, warn_if_torch_xla_in_jax_process
 from .standin import ShardedTransformer
 
 if TYPE_CHECKING:
@@ -95,8 +90,7 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
     if not _is_wan_pipeline(pipe):
         raise ShardingError(
             f"shard_pipeline expects a diffusers Wan 2.2 pipeline ({' or '.join(SUPPORTED_PIPELINES)}), got "
-            f"{type(pipe).__name__}; for a bare WanTransformer3DModel use shard_dit_specs + "
-            "apply_dit_sp_activation_sharding"
+            f"{type(pipe).__name__}; for a bare WanTransformer3DModel use shard_dit"
         )
     live = sharded_handle(pipe)
     if live is not None:
@@ -104,11 +98,6 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
             f"this {type(pipe).__name__} is already sharded (on {live.mesh.name}); call handle.remove() "
             "on the first handle before sharding it again"
         )
-    plan = _load_plan(plan)
-    mesh, padding = _plan_mesh_and_padding(plan, mesh, padding)
-    if padding not in PADDING_NAMES:
-        raise ShardingError(f"unknown padding mode {padding!r}; choose one of {sorted(PADDING_NAMES)}")
-
     found = [(name, getattr(pipe, name, None)) for name in EXPERT_COMPONENTS]
     found = [(name, dit) for name, dit in found if dit is not None]
     if not found:
@@ -119,58 +108,46 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                 f"pipe.{name} is already a ShardedTransformer (sharded through another handle); remove that handle first"
             )
         check_wan_model(dit)
-        if dit in _APPLIED:
+        if has_sp(dit):
             raise ShardingError(
                 f"pipe.{name} already carries sequence-parallel hooks (is it shared with another sharded pipeline, or "
                 "was apply_dit_sp_activation_sharding called on it?); remove those first"
             )
-    be = _backend_for(backend, mesh, plan)  # the stack and the device count, checked before any change
-    rewrites: dict[int, Any] = {}
-    unique: dict[int, ShardSpecs] = {}
-    try:
-        for _, dit in found:  # validates heads / ffn / dims against TP for every expert first
-            if id(dit) not in unique:
-                if patches:  # rewrites first: the specs are the patched model's (PatchError before any change)
-                    from ..patches import apply_patches
+    resolved = resolve(mesh, backend, padding, patches, plan=plan)  # once, for every expert
+    _validate_experts([dit for _, dit in found], resolved)
+    warn_if_torch_xla_in_jax_process(pipe, resolved.backend)
 
-                    rewrites[id(dit)] = apply_patches(dit, patches, mesh=be.mesh)
-                unique[id(dit)] = shard_dit_specs(dit, plan if plan is not None else be.mesh)
-    except BaseException:
-        for h in rewrites.values():
-            h.remove()
-        raise
-
-    _warn_if_torch_xla_in_jax_process(pipe, be)
-    handle = PipelineHandle(pipe, be, padding, plan=plan)
+    handle = PipelineHandle(pipe, resolved)
     done: dict[int, ShardedExpert] = {}
     try:
         for name, dit in found:
             entry = pipe.config.get(name)
-            if id(dit) in done:  # the same model in both slots: one placement, one stand-in
-                first = done[id(dit)]
-                expert = ShardedExpert(name, dit, first.wrapper, first.specs, None, first.original_device, entry)
-                handle.experts.append(expert)
-            else:
-                expert = ShardedExpert(name, dit, None, unique[id(dit)], None, _model_device(dit), entry,
-                                       host_tensors=_host_tensors(dit) if keep_host_weights else None,
-                                       patches=rewrites.get(id(dit)))
-                handle.experts.append(expert)  # from here on, remove() can undo what follows
-                expert.moved = True  # until known otherwise: remove() moves it back
-                placed = be.place(dit, expert.specs)
-                expert.moved = _model_device(dit) != expert.original_device
-                if not expert.moved:
-                    expert.host_tensors = None  # nothing to put back (jax: the model stays where it is)
-                expert.sp = apply_dit_sp_activation_sharding(dit, be.mesh, backend=be, padding=padding, plan=plan)
-                expert.wrapper = ShardedTransformer(dit, be, placed, name, padding, sp=expert.sp)
-                if dit.is_cache_enabled:  # a cache enabled before sharding acts on the mesh too
-                    expert.wrapper._adopt_cache()
-                done[id(dit)] = expert
+            first = done.get(id(dit))
+            if first is not None:  # the same model in both slots: one sharding, one stand-in
+                handle.experts.append(ShardedExpert(name, dit, first.wrapper, None, entry))
+                setattr(pipe, name, first.wrapper)
+                continue
+            expert = ShardedExpert(name, dit, None, None, entry)
+            handle.experts.append(expert)  # from here on, remove() can undo what follows
+            expert.sharding = shard_dit(dit, resolved=resolved, keep_host_weights=keep_host_weights)
+            h = expert.sharding
+            expert.wrapper = ShardedTransformer(dit, h.backend, h.placed, name, h.padding, sp=h.sp)
+            if dit.is_cache_enabled:  # a cache enabled before sharding acts on the mesh too
+                expert.wrapper._adopt_cache()
+            done[id(dit)] = expert
             setattr(pipe, name, expert.wrapper)
     except BaseException:
         handle.remove()
         raise
     register_handle(pipe, handle)
     return handle
+
+
+def _validate_experts(dits: list[Any], resolved: Any) -> None:
+    """Every expert checked against the request (TP split, SP points, patches) before any expert
+    is changed."""
+    for dit in dict.fromkeys(dits):
+        check_dit(dit, resolved)
 
 
 @contextlib.contextmanager

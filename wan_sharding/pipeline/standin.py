@@ -16,6 +16,7 @@ import torch
 from ..activation import SPHandle
 from ..backends import Backend
 from ..mesh import MeshSpec
+from ..patches.prompt_kv import prompt_inputs
 from ..specs import ShardingError
 
 __all__ = ["ShardedTransformer"]
@@ -90,7 +91,8 @@ class ShardedTransformer(torch.nn.Module):
         every forward on this backend too (``wan_sharding.caching``). Raises what diffusers raises
         (a cache already enabled, an unsupported config), ``ValueError`` for a config that hooks
         no module of a Wan DiT, and ``ShardingError`` for a cache this backend cannot run."""
-        from ..caching import enable_model_cache, zero_padding_rows
+        from ..caching import enable_model_cache
+        from ..caching.probes import zero_padding_rows
 
         refusal = self._backend.cache_refusal(config)
         if refusal is not None:
@@ -125,6 +127,8 @@ class ShardedTransformer(torch.nn.Module):
                 f"attention_kwargs (a LoRA scale) cannot be passed into the {self._backend.name} backend's compiled "
                 "forward; fuse the LoRA into the weights (pipe.fuse_lora()) before shard_pipeline, or use the xla backend"
             )
+        # the prompt_kv patch: the prompt's K / V from its cache (or its prompt program), on the devices
+        args, kwargs = prompt_inputs(dit, self._backend, self._placed, args, kwargs)
         if dit.is_cache_enabled:
             self._adopt_cache()
             out = self._backend.to_host(self._backend.run_cached_device(dit, self._placed, *args, **kwargs))
@@ -140,13 +144,13 @@ class ShardedTransformer(torch.nn.Module):
     def _adopt_cache(self) -> None:
         """A cache enabled on the real model directly (or before sharding) gets this backend's probe,
         so it acts at every forward instead of only while a forward is traced."""
-        from ..caching import model_cache_probe
+        from ..caching.model import model_cache_probe
 
         probe = model_cache_probe(self.dit)
         # A backend that traces whole forwards needs the compiled pieces (cache_unit_runner) or
-        # programs; one with cache programs needs a probe installed for them (its plan, if any).
-        if probe is None or (self._backend.traces_whole_forward and not (probe.units or probe.plan)) \
-                or (self._backend.cache_programs and not probe.programs):
+        # programs; one with cache programs needs a probe installed for them (its programs, if any).
+        if probe is None or (self._backend.traces_whole_forward and not (probe.units or probe.programs)) \
+                or (self._backend.cache_programs and not probe.as_programs):
             config = self.dit._cache_config
             if probe is not None:
                 probe.remove(keep_cache=False)

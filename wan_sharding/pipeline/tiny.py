@@ -168,11 +168,11 @@ def pipeline_variant(pipe: Any) -> str:
 def call_kwargs(pipe: Any, prompt: str = "a red fox running through snow", negative_prompt: str = "",
                 frames: int | None = None, height: int | None = None, width: int | None = None,
                 steps: int = 3, guidance_scale: float = 4.0, seed: int = 0, tiny: bool = True,
-                variant: str | None = None) -> dict[str, Any]:
+                variant: str | None = None, image: Any = None, last_image: Any = None) -> dict[str, Any]:
     """Keyword arguments for ``pipe(**kwargs)``: sizes (when not given: the variant's tiny defaults,
     or 81 frames at 480x832 with ``tiny=False``), a seeded generator, the prompt (as precomputed
-    embeddings when the pipeline has no text encoder, as text otherwise) and, for I2V, an input
-    image made in code."""
+    embeddings when the pipeline has no text encoder, as text otherwise) and, for an image-to-video
+    pipeline, ``image`` (default: an input image made in code) and ``last_image`` when given."""
     variant = variant or pipeline_variant(pipe)
     d_frames, d_height, d_width = VARIANT_PIPELINES[variant].size if tiny else (81, 480, 832)
     frames, height, width = frames or d_frames, height or d_height, width or d_width
@@ -186,8 +186,30 @@ def call_kwargs(pipe: Any, prompt: str = "a red fox running through snow", negat
     else:
         kwargs.update(prompt=prompt, negative_prompt=negative_prompt)
     if type(pipe).__name__ == "WanImageToVideoPipeline":
-        kwargs["image"] = test_image(height, width)
+        kwargs["image"] = image if image is not None else test_image(height, width)
+        if last_image is not None:
+            kwargs["last_image"] = last_image
+    elif image is not None or last_image is not None:
+        raise ValueError(f"{type(pipe).__name__} takes no image; use image_pipeline(pipe)")
     return kwargs
+
+
+def image_pipeline(pipe: Any) -> Any:
+    """The image-to-video pipeline of ``pipe``: itself when it is a ``WanImageToVideoPipeline``;
+    for TI2V-5B (a ``WanPipeline`` with ``expand_timesteps``) a ``WanImageToVideoPipeline`` over the
+    very same components (its experts, sharded or not, its VAE and scheduler: nothing is copied),
+    which conditions the first frame on an image as diffusers' TI2V-5B image-to-video does; ``None``
+    for a pipeline that takes no image (T2V-A14B)."""
+    name = type(pipe).__name__
+    if name == "WanImageToVideoPipeline":
+        return pipe
+    if not getattr(pipe.config, "expand_timesteps", False):
+        return None
+    cls = pipeline_classes()["WanImageToVideoPipeline"]
+    i2v = cls(**pipe.components, image_encoder=None, image_processor=None,
+              boundary_ratio=pipe.config.boundary_ratio, expand_timesteps=True)
+    i2v.set_progress_bar_config(disable=True)
+    return i2v
 
 
 def load_pipeline(path: str | Path, dtype: torch.dtype = torch.bfloat16):

@@ -12,15 +12,15 @@ meshes by :func:`wan_sharding.mesh.parse_mesh_shape`.
 """
 
 from .analytic import Estimate
-from .candidates import Candidate, build_candidates, enumerate_plans, restriction
-from .compiled import CompiledEstimate, estimate_from_results, requests_for
-from .hardware import Chip, Fabric, chip, collective_seconds, fabric_for
-from .report import bill_text, format_report
+from .candidates import Candidate
+from .compiled import CompiledEstimate
+from .hardware import Chip, Fabric, chip, fabric_for
+from .report import format_report
 from .search import PlannerError, PlanReport, plan_sharding
-from .workload import Memory, Workload, memory_per_chip
+from .workload import Workload
 
+# What a user of the planner needs; the stages' helpers stay in their modules.
 __all__ = [
-    "Candidate", "Chip", "CompiledEstimate", "Estimate", "Fabric", "Memory", "PlanReport", "PlannerError", "Workload",
-    "bill_text", "build_candidates", "chip", "collective_seconds", "enumerate_plans", "estimate_from_results",
-    "fabric_for", "format_report", "memory_per_chip", "plan_sharding", "requests_for", "restriction",
+    "Candidate", "Chip", "CompiledEstimate", "Estimate", "Fabric", "PlanReport", "PlannerError", "Workload", "chip",
+    "fabric_for", "format_report", "plan_sharding",
 ]

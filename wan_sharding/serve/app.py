@@ -1,64 +1,104 @@
-"""The HTTP API of ``wan-sharding serve`` (FastAPI), in the shape of tt-media-server's video API.
+"""The HTTP API of ``wan-sharding serve`` (FastAPI): tt-media-server's video API and job model.
 
-- ``POST /v1/videos/generations``: a job (202, ``{"id", "status": "queued", ...}``); bad fields
-  get 422 with one line naming the field and the fix (the rules of ``generate``), a full queue 429
-  with ``Retry-After``; nothing is queued in either case.
-- ``GET /v1/videos/generations/{id}``: its ``status``, ``progress`` (steps done / total),
-  ``timings`` and ``error``; ``.../download``: the video; ``POST .../cancel``.
-- ``GET /v1/videos/jobs``: every job in the store, oldest first.
-- ``GET /health``: 200 once the worker is warm, 503 with the reason while it warms up or is
-  replaced; ``GET /metrics``: Prometheus text.
+Its routes, job record, states and status codes are those of tt-media-server's
+``open_ai_api/video.py`` and ``utils/job_manager.py`` (see docs/serving.md for the commit read), so
+the clients tt-inference-server ships for it work unchanged:
 
-With an API key every endpoint but ``/health`` needs ``Authorization: Bearer <key>`` (401).
+- ``POST /v1/videos/generations`` (text to video), ``POST /v1/videos/generations/i2v`` (JSON,
+  ``image_prompts``: ``[{"image": <base64>, "frame_pos": N}]``) and ``POST
+  /v1/videos/generations/i2v/upload`` (multipart: ``prompt``, ``image``, ``frame_pos``,
+  ``num_inference_steps``, ``seed``, ``negative_prompt``): 202 and the job. Bad fields get 422 with
+  one line naming the field and the fix (``generate``'s rules, and the image rules of
+  :mod:`wan_sharding.jobs.conditioning`); an upload that is not PNG, JPEG or WebP 415, one over the
+  size limit 413; a full queue 429 with ``Retry-After``; nothing is queued in any of these cases.
+- ``GET /v1/videos/generations/{id}``: the job; ``.../download``: the video (``video/mp4``), 404
+  until the job is completed; ``POST .../cancel``: the job (``cancelled``, or ``cancelling`` until
+  its step ends), 404 for a job that already ended.
+- ``GET /v1/videos/jobs``: every job in the store, oldest first (a JSON list).
+- ``GET /health``: 200 while a worker is warm, 503 with the reason otherwise, and each worker's
+  state; ``GET /metrics``: Prometheus text.
+
+An error body is ``{"error": <line>, "detail": <line>}`` (``detail``: where FastAPI clients look).
+With an API key every endpoint but ``/health`` needs ``Authorization: Bearer <key>`` (401); without
+one such a header is accepted and ignored (tt-media-server's clients always send one).
 """
 
 from __future__ import annotations
 
 import hmac
 import math
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..cli.validate import UsageError, check_counts, check_video
-from .store import STATUSES
+from ..jobs.conditioning import (
+    IMAGE_CONTENT_TYPES,
+    MAX_IMAGE_BYTES,
+    Conditioning,
+    ImageTooLarge,
+    check_image,
+    image_from_base64,
+)
+from ..jobs.requests import UsageError, check_counts, check_video
+from .store import FINISHED, STATUSES
 from .supervisor import HISTOGRAM_BUCKETS, Supervisor
 
 PREFIX = "/v1/videos"
+_UPLOAD_CHUNK = 64 * 1024
 
 
 class GenerationRequest(BaseModel):
-    """The fields of a job; the ones left out take the server's defaults (``serve --steps`` ...).
-    Unknown fields are refused: no field names a file or a path."""
+    """The fields of a job; the ones left out (or ``null``) take the server's defaults (``serve
+    --steps`` ...; seed 0, no negative prompt). Unknown fields are refused: no field names a file
+    or a path, and a field this server does not read is not silently dropped."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str
-    negative_prompt: str = ""
+    negative_prompt: str | None = None
     num_inference_steps: int | None = None
-    seed: int = 0
+    seed: int | None = None
     guidance_scale: float | int = 4.0
     num_frames: int | None = None
     height: int | None = None
     width: int | None = None
+    video_format: Literal["mp4", "gif"] = "mp4"
 
 
-_FIXES = {"extra_forbidden": "remove it (the fields: " + ", ".join(GenerationRequest.model_fields) + ")",
+class ImagePrompt(BaseModel):
+    """One conditioning image: base64 of a PNG, JPEG or WebP file, and the frame it anchors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    image: str
+    frame_pos: int = 0
+
+
+class I2VRequest(GenerationRequest):
+    """A job conditioned on images (tt-media-server's ``VideoI2VGenerateRequest``)."""
+
+    image_prompts: list[ImagePrompt] = Field(min_length=1)
+
+
+_FIXES = {"extra_forbidden": "remove it (the fields: " + ", ".join(I2VRequest.model_fields) + ")",
           "missing": "send it", "int_type": "send a whole number", "string_type": "send a JSON string",
-          "float_type": "send a number", "model_type": "send a JSON object", "json_invalid": "send valid JSON"}
+          "float_type": "send a number", "model_type": "send a JSON object", "json_invalid": "send valid JSON",
+          "literal_error": "send one of the values named", "too_short": "send at least one",
+          "list_type": "send a JSON list", "int_parsing": "send a whole number"}
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return JSONResponse({"error": message, "detail": message}, status_code=status, headers=headers)
 
 
 def validation_line(errors: list[dict[str, Any]]) -> str:
     """The first pydantic error as one line: the field, the problem, the fix."""
     e = errors[0]
-    field = ".".join(p for p in e.get("loc", ()) if isinstance(p, str) and p != "body") or "body"
+    parts = [p for p in e.get("loc", ()) if p != "body"]
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "body"
     return f"{field}: {e.get('msg', 'invalid')}; {_FIXES.get(e.get('type', ''), 'see GET /docs for the fields')}"
 
 
@@ -69,10 +109,12 @@ def resolve_request(body: GenerationRequest, defaults: dict[str, Any], variant: 
     Raises:
         UsageError: one line naming the field and the fix.
     """
-    req = body.model_dump()
+    req = body.model_dump(exclude={"image_prompts"})
     for key, value in defaults.items():
         if req.get(key) is None:
             req[key] = value
+    req["negative_prompt"] = req["negative_prompt"] or ""
+    req["seed"] = req["seed"] or 0
     check_counts({k: req[k] for k in ("num_inference_steps", "num_frames", "height", "width")})
     check_video(req["num_frames"], req["height"], req["width"], variant, model, names=("num_frames", "height", "width"))
     if not math.isfinite(req["guidance_scale"]):
@@ -85,7 +127,8 @@ def resolve_request(body: GenerationRequest, defaults: dict[str, Any], variant: 
 
 
 def metrics_text(sup: Supervisor) -> str:
-    """Prometheus text: jobs by status, queue depth, job seconds (this process), worker restarts."""
+    """Prometheus text: jobs by status, queue depth, job seconds (this process), worker restarts,
+    and each worker's state."""
     counts = sup.store.counts()
     lines = ["# HELP wan_sharding_jobs Jobs in the store by status.", "# TYPE wan_sharding_jobs gauge"]
     lines += [f'wan_sharding_jobs{{status="{s}"}} {counts[s]}' for s in STATUSES]
@@ -93,24 +136,36 @@ def metrics_text(sup: Supervisor) -> str:
               f"wan_sharding_queue_depth {counts['queued']}",
               "# HELP wan_sharding_queue_capacity The --queue bound.", "# TYPE wan_sharding_queue_capacity gauge",
               f"wan_sharding_queue_capacity {sup.queue_size}",
-              "# HELP wan_sharding_job_seconds Seconds a completed job ran on the worker (this server process).",
+              "# HELP wan_sharding_job_seconds Seconds a completed job ran on a worker (this server process).",
               "# TYPE wan_sharding_job_seconds histogram"]
     seconds = list(sup.job_seconds)
     for bound in HISTOGRAM_BUCKETS:
         lines.append(f'wan_sharding_job_seconds_bucket{{le="{bound}"}} {sum(s <= bound for s in seconds)}')
     lines += [f'wan_sharding_job_seconds_bucket{{le="+Inf"}} {len(seconds)}',
               f"wan_sharding_job_seconds_sum {sum(seconds):.6f}", f"wan_sharding_job_seconds_count {len(seconds)}",
-              "# HELP wan_sharding_worker_restarts_total Worker processes replaced after a failure.",
+              "# HELP wan_sharding_worker_restarts_total Worker processes replaced after a failure (all workers).",
               "# TYPE wan_sharding_worker_restarts_total counter",
               f"wan_sharding_worker_restarts_total {sup.restarts}",
-              "# HELP wan_sharding_ready 1 when the worker is warm and serving.", "# TYPE wan_sharding_ready gauge",
+              "# HELP wan_sharding_ready 1 when a worker is warm and serving.", "# TYPE wan_sharding_ready gauge",
               f"wan_sharding_ready {int(sup.state == 'ready')}"]
+    per_worker = [("wan_sharding_worker_ready", "gauge", "1 when this worker is warm and serving.",
+                   lambda r: int(r.state == "ready")),
+                  ("wan_sharding_worker_busy", "gauge", "1 while this worker runs a job.", lambda r: int(bool(r.running))),
+                  ("wan_sharding_worker_replaced_total", "counter", "Times this worker was replaced after a failure.",
+                   lambda r: r.restarts),
+                  ("wan_sharding_worker_completed_total", "counter", "Jobs this worker completed (this server process).",
+                   lambda r: r.completed)]
+    for name, kind, what, value in per_worker:
+        lines += [f"# HELP {name} {what}", f"# TYPE {name} {kind}"]
+        lines += [f'{name}{{worker="{r.index}",mesh="{r.spec.mesh}",devices="{r.spec.devices}"}} {value(r)}'
+                  for r in sup.replicas]
     return "\n".join(lines) + "\n"
 
 
 def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model: str | None, cache: str,
-               api_key: str | None) -> FastAPI:
-    """The FastAPI application over a started (or starting) :class:`Supervisor`."""
+               rules: Conditioning, api_key: str | None) -> FastAPI:
+    """The FastAPI application over a started (or starting) :class:`Supervisor`; ``rules``: what
+    the served pipeline does with images."""
     app = FastAPI(title="wan-sharding serve", version="1")
 
     def authorized(request: Request) -> None:
@@ -138,21 +193,71 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
         job = sup.store.get(job_id)
         return job if job is not None else _error(404, f"no job {job_id!r}; list them with GET {PREFIX}/jobs")
 
-    @app.post(f"{PREFIX}/generations", status_code=202, dependencies=auth)
-    def submit(body: GenerationRequest) -> Any:
-        try:
-            req = resolve_request(body, defaults, variant, model, cache)
-        except UsageError as e:
-            return _error(422, str(e))
+    def queue(req: dict[str, Any], images: dict[int, bytes] | None) -> Any:
         if not sup.ever_ready:
             return _error(503, f"not accepting jobs yet: {sup.reason}; retry when GET /health is 200",
                           {"Retry-After": "10"})
-        job = sup.submit(req)
+        job = sup.submit(req, images)
         if job is None:
             mean = sum(sup.job_seconds) / len(sup.job_seconds) if sup.job_seconds else 10.0
             return _error(429, f"the queue is full ({sup.queue_size} jobs waiting); retry later",
                           {"Retry-After": str(max(1, math.ceil(mean)))})
-        return job
+        return JSONResponse(job, status_code=202)
+
+    def conditioned(body: GenerationRequest, images: list[tuple[bytes, int]]) -> Any:
+        """Queue an image-conditioned job: its frames checked against the pipeline's."""
+        req = resolve_request(body, defaults, variant, model, cache)
+        rules.image_arguments([pos for _, pos in images], req["num_frames"])
+        return queue(req, {pos: data for data, pos in images})
+
+    @app.post(f"{PREFIX}/generations", status_code=202, dependencies=auth)
+    def submit(body: GenerationRequest) -> Any:
+        try:
+            rules.check_text_only()
+            req = resolve_request(body, defaults, variant, model, cache)
+        except UsageError as e:
+            return _error(422, str(e))
+        return queue(req, None)
+
+    @app.post(f"{PREFIX}/generations/i2v", status_code=202, dependencies=auth)
+    def submit_i2v(body: I2VRequest) -> Any:
+        try:
+            if not rules.takes_image:
+                rules.image_arguments([], 1)  # the one-line refusal of this pipeline
+            images = [(image_from_base64(p.image, f"image_prompts[{i}].image"), p.frame_pos)
+                      for i, p in enumerate(body.image_prompts)]
+            return conditioned(body, images)
+        except UsageError as e:  # an image over the limit too: 422, as tt-media-server's JSON route
+            return _error(422, str(e))
+
+    @app.post(f"{PREFIX}/generations/i2v/upload", status_code=202, dependencies=auth)
+    def submit_i2v_upload(prompt: str = Form(...), image: UploadFile = File(...), frame_pos: int = Form(0),
+                          num_inference_steps: int | None = Form(None), seed: int | None = Form(None),
+                          negative_prompt: str | None = Form(None)) -> Any:
+        if image.content_type not in IMAGE_CONTENT_TYPES:
+            return _error(415, f"image: content type {image.content_type!r} is not an image this server takes; send "
+                               f"{', '.join(IMAGE_CONTENT_TYPES)}")
+        chunks, size = [], 0
+        while chunk := image.file.read(_UPLOAD_CHUNK):
+            size += len(chunk)
+            if size > MAX_IMAGE_BYTES:
+                return _error(413, f"image: over the {MAX_IMAGE_BYTES:,}-byte image limit; send a smaller image (the "
+                                   "video's size is enough)")
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        try:
+            if not rules.takes_image:
+                rules.image_arguments([], 1)
+            body = GenerationRequest(prompt=prompt, negative_prompt=negative_prompt,
+                                     num_inference_steps=num_inference_steps, seed=seed)
+            check_image(data, "image")
+            return conditioned(body, [(data, frame_pos)])
+        except ValidationError as e:
+            return _error(422, validation_line(list(e.errors())))
+        except ImageTooLarge as e:
+            return _error(413, str(e))
+        except UsageError as e:
+            return _error(422, str(e))
 
     @app.get(f"{PREFIX}/generations/{{job_id}}", dependencies=auth)
     def status(job_id: str) -> Any:
@@ -164,27 +269,33 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
         if isinstance(job, JSONResponse):
             return job
         path = sup.store.video_path(job)
-        if path is None:
-            return _error(409, f"job {job_id} is {job['status']}, no video to download; download once its status "
-                               "is completed")
+        if path is None:  # 404 as tt-media-server answers for a video not (or no longer) there
+            return _error(404, f"job {job_id} is {job['status']}: no video to download; download once its status is "
+                               "completed")
         media = "video/mp4" if path.suffix == ".mp4" else "image/gif"
         return FileResponse(path, media_type=media, filename=path.name)
 
     @app.post(f"{PREFIX}/generations/{{job_id}}/cancel", dependencies=auth)
     def cancel(job_id: str) -> Any:
-        job = sup.cancel(job_id)
-        return job if job is not None else job_or_404(job_id)
+        job = job_or_404(job_id)
+        if isinstance(job, JSONResponse):
+            return job
+        if job["status"] in FINISHED:  # 404 as tt-media-server answers: nothing left to cancel
+            return _error(404, f"job {job_id} is already {job['status']}; there is nothing to cancel")
+        return sup.cancel(job_id)
 
     @app.get(f"{PREFIX}/jobs", dependencies=auth)
     def jobs() -> Any:
-        return {"object": "list", "data": sup.store.list()}
+        return sup.store.list()
 
     @app.get("/health")
     def health() -> Any:
-        body = {"status": "ok" if sup.state == "ready" else sup.state, "reason": sup.reason or None,
+        ready = sup.state == "ready"
+        body = {"status": "ok" if ready else sup.state, "reason": sup.reason or None, "model": sup.model,
                 "worker_pid": sup.worker_pid, "running": sup.running, "queue_depth": sup.queue_depth(),
-                "queue_capacity": sup.queue_size, "worker_restarts": sup.restarts, "worker": sup.ready_info}
-        return JSONResponse(body, status_code=200 if sup.state == "ready" else 503)
+                "queue_capacity": sup.queue_size, "worker_restarts": sup.restarts, "worker": sup.ready_info,
+                "workers": [r.describe() for r in sup.replicas]}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics", dependencies=auth)
     def metrics() -> Any:

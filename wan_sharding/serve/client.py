@@ -4,20 +4,40 @@
 >>> c = Client("http://127.0.0.1:8765")
 >>> job = c.submit(prompt="a red fox", seed=1, num_inference_steps=4)
 >>> job = c.wait(job["id"])                  # polls progress until completed / failed / cancelled
->>> path = c.download(job["id"], "out/")     # the video, written under a temporary name, then renamed
+>>> path = c.download(job["id"], "out/")     # the MP4, written under a temporary name, then renamed
+>>> job = c.submit(prompt="it turns", image="fox.png")   # image to video (frame_pos 0)
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import httpx
 
+from ..jobs.conditioning import check_image
+from ..jobs.requests import UsageError
 from ..workers import atomic_path
 from .store import FINISHED
+
+ImageSource = str | os.PathLike[str] | bytes
+
+
+def read_image(source: ImageSource, what: str) -> bytes:
+    """The bytes of an image file (a path, or the bytes themselves), checked as the server checks
+    them (:func:`wan_sharding.jobs.conditioning.check_image`): UsageError naming ``what`` otherwise."""
+    if isinstance(source, bytes):
+        data = source
+    else:
+        try:
+            data = Path(source).read_bytes()
+        except OSError as e:
+            raise UsageError(f"{what} {source}: cannot be read ({e.strerror}); pass an image file") from None
+    check_image(data, f"{what} {source}" if not isinstance(source, bytes) else what)
+    return data
 
 PREFIX = "/v1/videos"
 
@@ -87,18 +107,28 @@ class Client:
                     raise
             time.sleep(poll)
 
-    def submit(self, **fields: Any) -> dict[str, Any]:
-        """``POST /v1/videos/generations``: the queued job. Fields: ``prompt``, ``negative_prompt``,
-        ``num_inference_steps``, ``seed``, ``guidance_scale``, ``num_frames``, ``height``, ``width``
-        (``None`` ones are left out: the server's defaults)."""
+    def submit(self, image: ImageSource | None = None, frame_pos: int = 0,
+               image_prompts: Sequence[tuple[ImageSource, int]] = (), **fields: Any) -> dict[str, Any]:
+        """Queue a job; the job. Fields: ``prompt``, ``negative_prompt``, ``num_inference_steps``,
+        ``seed``, ``guidance_scale``, ``num_frames``, ``height``, ``width``, ``video_format``
+        (``None`` ones are left out: the server's defaults).
+
+        Text to video: ``POST /v1/videos/generations``. With ``image`` (a file's path or bytes, at
+        ``frame_pos``) or ``image_prompts`` (``[(image, frame_pos), ...]``), image to video: ``POST
+        /v1/videos/generations/i2v``. Each image is read and checked here first (UsageError)."""
         body = {k: v for k, v in fields.items() if v is not None}
-        return self._call("POST", f"{PREFIX}/generations", json=body).json()
+        prompts = ([(image, frame_pos)] if image is not None else []) + list(image_prompts)
+        if not prompts:
+            return self._call("POST", f"{PREFIX}/generations", json=body).json()
+        body["image_prompts"] = [{"image": base64.b64encode(read_image(src, "image")).decode("ascii"), "frame_pos": pos}
+                                 for src, pos in prompts]
+        return self._call("POST", f"{PREFIX}/generations/i2v", json=body).json()
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"{PREFIX}/generations/{job_id}").json()
 
     def jobs(self) -> list[dict[str, Any]]:
-        return self._call("GET", f"{PREFIX}/jobs").json()["data"]
+        return self._call("GET", f"{PREFIX}/jobs").json()
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._call("POST", f"{PREFIX}/generations/{job_id}/cancel").json()
@@ -127,7 +157,7 @@ class Client:
         """Write a completed job's video into ``out_dir`` (the server's file name); its path."""
         r = self._call("GET", f"{PREFIX}/generations/{job_id}/download")
         disposition = r.headers.get("content-disposition", "")
-        name = disposition.split("filename=")[-1].strip('"') if "filename=" in disposition else f"{job_id}.gif"
+        name = disposition.split("filename=")[-1].strip('"') if "filename=" in disposition else f"{job_id}.mp4"
         target = Path(out_dir) / Path(name).name
         with atomic_path(target, suffix=".partial" + target.suffix) as tmp:
             tmp.write_bytes(r.content)

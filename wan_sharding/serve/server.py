@@ -1,9 +1,10 @@
-"""``wan-sharding serve`` put together: the socket, the store, the supervisor and uvicorn.
+"""``wan-sharding serve`` put together: the workers, the socket, the store, the supervisor and uvicorn.
 
-:func:`serve` binds the socket first (a port in use is a usage error before any worker starts),
-opens and recovers the store, starts the supervisor (which starts the worker and warms it up) and
-runs uvicorn until Ctrl-C or SIGTERM; then the running job is ``failed`` with that reason, the
-worker is killed and the store is closed, leaving no process and no half-written file behind.
+:func:`serve` splits the mesh for ``--replicas`` and binds the socket first (a mesh that does not
+split, or a port in use, is a usage error before any worker starts), opens, migrates and recovers
+the store, starts the supervisor (which starts the workers and warms them up) and runs uvicorn until
+Ctrl-C or SIGTERM; then the running jobs are ``failed`` with that reason, the workers are killed and
+the store is closed, leaving no process and no half-written file behind.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 
 import uvicorn
 
-from ..cli.validate import UsageError
+from ..jobs.requests import UsageError
+from .replicas import Replica, model_heads, split_mesh, split_plan
 from .store import Store, StoreBusy
+from .resident import WorkerSpec
 
 API_KEY_ENV = "WAN_SHARDING_API_KEY"
 DEFAULT_PROMPT = "a red fox running through fresh snow, golden hour"
@@ -64,12 +67,62 @@ def request_defaults(p: dict[str, Any]) -> dict[str, Any]:
             "height": p.get("height") or height, "width": p.get("width") or width}
 
 
+def replicas_of(p: dict[str, Any]) -> tuple[list[Replica], dict[str, Any] | None]:
+    """The sub-meshes of ``serve --replicas N`` (one: the whole mesh), and with ``--plan`` the plan
+    each worker shards with (its mesh one sub-mesh).
+
+    Raises:
+        UsageError: the mesh does not split into N meshes the model shards on.
+    """
+    from ..jobs.conditioning import conditioning
+    from ..mesh import mesh_from_preset
+    from ..plan import ShardingPlan
+
+    n = p.get("replicas") or 1
+    variant = conditioning(p["variant"], p.get("model")).variant
+    heads = model_heads(p["variant"], p.get("model"))
+    if p.get("plan"):
+        plan, replicas = split_plan(ShardingPlan.from_dict(p["plan"]), n, heads, variant)
+        return replicas, plan.to_dict()
+    return split_mesh(mesh_from_preset(p["mesh"]), n, heads, variant), None
+
+
+def worker_specs(p: dict[str, Any], defaults: dict[str, Any]) -> list[WorkerSpec]:
+    """One :class:`WorkerSpec` per replica: the worker's configuration (its sub-mesh) and its
+    environment (that many CPU devices, or on ``tt`` its chips through ``TT_VISIBLE_DEVICES``)."""
+    from ..jobs.launch import worker_env
+
+    base = {k: p.get(k) for k in ("backend", "mesh", "plan", "padding", "patches", "cache", "dtype", "variant",
+                                  "model")}
+    base["defaults"] = defaults
+    replicas, plan = replicas_of(p)
+    specs = []
+    for r in replicas:
+        config, env = dict(base), worker_env(p["backend"], r.mesh.num_devices)
+        if len(replicas) > 1:
+            if plan:
+                config["plan"] = plan
+            else:
+                config["replica_mesh"] = r.mesh_dict()
+            if p["backend"] == "tt":
+                env["TT_VISIBLE_DEVICES"] = ",".join(map(str, r.devices))
+        specs.append(WorkerSpec(r.mesh.name, r.devices_label, env, config))
+    return specs
+
+
+def model_name(p: dict[str, Any]) -> str:
+    """The job record's ``model``: the checkpoint directory, or ``tiny-<variant>``."""
+    return str(p["model"]) if p.get("model") else f"tiny-{p['variant']}"
+
+
 def serve(p: dict[str, Any], say: Any = print) -> int:
     """Run the server with the options of ``serve`` (``p``) until it is stopped; the exit code."""
-    from ..jobs.launch import num_devices, plan_devices, stall_seconds, worker_env
+    from ..jobs.conditioning import conditioning
+    from ..jobs.launch import stall_seconds
     from .app import create_app
     from .supervisor import Supervisor
 
+    specs = worker_specs(p, request_defaults(p))  # a mesh that does not split: refused before the socket
     sock = bind(p["host"], p["port"])
     try:
         store = Store.open(p["store"])
@@ -77,25 +130,22 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
         sock.close()
         raise UsageError(str(e)) from None
     host, port = sock.getsockname()[:2]
-    defaults = request_defaults(p)
-    config = {k: p.get(k) for k in ("backend", "mesh", "plan", "padding", "patches", "cache", "dtype", "variant",
-                                    "model")}
-    config["defaults"] = defaults
-    devices = plan_devices(p["plan"]) if p.get("plan") else num_devices([p["mesh"]])
-    sup = Supervisor(store, config, worker_env(p["backend"], devices), queue_size=p["queue"],
-                     job_timeout=p["job_timeout"],
+    defaults = specs[0].config["defaults"]
+    sup = Supervisor(store, specs, model=model_name(p), queue_size=p["queue"], job_timeout=p["job_timeout"],
                      stall_s=p.get("stall_timeout") or stall_seconds(p["backend"]), say=_flushing(say))
     app = create_app(sup, defaults={k: defaults[k] for k in ("num_inference_steps", "num_frames", "height", "width")},
                      variant=p["variant"], model=p.get("model"), cache=p.get("cache") or "none",
-                     api_key=p.get("api_key"))
+                     rules=conditioning(p["variant"], p.get("model")), api_key=p.get("api_key"))
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5))
     sup.on_broken = lambda _reason: setattr(server, "should_exit", True)
     url_host = f"[{host}]" if ":" in host else host
     mesh = p.get("plan_name") or p["mesh"]
+    workers = (f"the {p['backend']} worker on {mesh}" if len(specs) == 1 else
+               f"{len(specs)} {p['backend']} workers on {specs[0].mesh} each ({mesh} split in {len(specs)})")
     say(f"wan-sharding serve: listening on http://{url_host}:{port} (store {p['store']}, queue {p['queue']}, "
         f"job timeout {p['job_timeout']:g} s{', API key required' if p.get('api_key') else ''}); warming up "
-        f"the {p['backend']} worker on {mesh} (GET /health is 503 until it is ready)")
+        f"{workers} (GET /health is 503 until it is ready)")
     sys.stdout.flush()
     sup.start()
     try:

@@ -1,17 +1,29 @@
 """The server's jobs and results, kept in one SQLite file under ``--store`` (``jobs.sqlite3``).
 
+A job is shown as tt-media-server's job record (``tt-media-server/utils/job_manager.py``,
+``Job.to_public_dict``): ``id``, ``job_type`` (``"video"``), ``status``, ``created_at`` (whole
+seconds), ``model``, ``request_parameters``, ``completed_at`` once it ended and ``error``
+(``{"code", "message"}``) once it failed, both left out before; with this server's extras
+(``progress``, ``timings``, ``video``, ``video_shape``, ``worker``). Its states are tt-media-server's
+``JobStatus``: ``queued``, ``in_progress``, ``cancelling`` (cancelled while it ran: until the end of
+its step), ``completed``, ``failed``, ``cancelled``.
+
 A server restarted on the same store lists every job and serves every finished video: jobs are
-rows, videos are files under ``videos/`` named by the job id, written under a temporary name and
-renamed when complete. Opening a store (:meth:`Store.open`) takes an exclusive lock on it, so two
-servers never share one, and recovers what the last server left: a job still ``running`` is
-``failed`` with that reason, leftover temporary files are removed, ``queued`` jobs stay queued (the
-new server runs them).
+rows, the images of I2V jobs are rows too (inserted with their job, in one transaction), videos are
+files under ``videos/`` named by the job id, written under a temporary name and renamed when
+complete. Opening a store (:meth:`Store.open`) takes an exclusive lock on it, so two servers never
+share one, migrates a store an older server wrote (its ``running`` jobs are ``in_progress``, its
+one-line errors get a code) and recovers what the last server left, as tt-media-server does on a
+restart: a job still ``in_progress`` is ``failed`` (code ``server_restart``), one ``cancelling`` is
+``cancelled``, leftover temporary files are removed, ``queued`` jobs stay queued (the new server
+runs them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import sqlite3
@@ -21,9 +33,19 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-STATUSES = ("queued", "running", "completed", "failed", "cancelled")
+STATUSES = ("queued", "in_progress", "cancelling", "completed", "failed", "cancelled")
 FINISHED = ("completed", "failed", "cancelled")
+ACTIVE = ("in_progress", "cancelling")  # on a worker
 DIED_WHILE_RUNNING = "the server stopped while this job ran (it was not finished); submit it again"
+SCHEMA_VERSION = 1  # 0: the first store (states queued/running/..., errors as one line, no images)
+
+# The error codes of a failed job: tt-media-server's ``processing_error`` (the pipeline raised) and
+# ``server_restart``, and this server's faults. ``LEGACY_ERRORS``: how the first store's one-line
+# errors start, to give them their code when it is migrated.
+ERROR_CODES = ("processing_error", "server_restart", "server_stopped", "worker_died", "worker_hung", "timeout")
+LEGACY_ERRORS = (("the server stopped while this job ran", "server_restart"), ("the server was stopped", "server_stopped"),
+                 ("the worker process died", "worker_died"), ("the worker stopped reporting progress", "worker_hung"),
+                 ("ran past --job-timeout", "timeout"))
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -40,10 +62,25 @@ CREATE TABLE IF NOT EXISTS jobs (
     result TEXT
 )
 """
+# Added by SCHEMA_VERSION 1 (ALTER TABLE on a first-version store).
+_COLUMNS_V1 = {"error_code": "TEXT", "job_type": "TEXT NOT NULL DEFAULT 'video'", "model": "TEXT", "worker": "INTEGER"}
+_IMAGES = """
+CREATE TABLE IF NOT EXISTS job_images (
+    job_id TEXT NOT NULL,
+    frame_pos INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (job_id, frame_pos)
+)
+"""
 
 
 class StoreBusy(RuntimeError):
     """Another server holds this store."""
+
+
+def legacy_error_code(message: str) -> str:
+    """The code of a one-line error the first store kept without one."""
+    return next((code for start, code in LEGACY_ERRORS if message.startswith(start)), "processing_error")
 
 
 class Store:
@@ -58,7 +95,7 @@ class Store:
 
     @classmethod
     def open(cls, root: str | os.PathLike[str]) -> "Store":
-        """Open (creating it if needed) the store under ``root``, lock it and recover it.
+        """Open (creating it if needed) the store under ``root``, lock it, migrate and recover it.
 
         Raises:
             StoreBusy: another live server has it open.
@@ -78,8 +115,8 @@ class Store:
         db = sqlite3.connect(root / "jobs.sqlite3", check_same_thread=False, isolation_level=None)
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA journal_mode=WAL")
-        db.execute(_SCHEMA)
         store = cls(root, db, fd)
+        store._migrate()
         store._recover()
         return store
 
@@ -99,10 +136,29 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
 
+    def _migrate(self) -> None:
+        """Bring a store of any earlier version to :data:`SCHEMA_VERSION`, in one transaction."""
+        with self._tx() as db:
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+            if version >= SCHEMA_VERSION:
+                return
+            db.execute(_SCHEMA)
+            have = {r["name"] for r in db.execute("PRAGMA table_info(jobs)")}
+            for name, kind in _COLUMNS_V1.items():
+                if name not in have:
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+            db.execute(_IMAGES)
+            db.execute("UPDATE jobs SET status='in_progress' WHERE status='running'")
+            for row in db.execute("SELECT id, error FROM jobs WHERE error IS NOT NULL AND error_code IS NULL").fetchall():
+                db.execute("UPDATE jobs SET error_code=? WHERE id=?", (legacy_error_code(row["error"]), row["id"]))
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
     def _recover(self) -> None:
         with self._tx() as db:
-            db.execute("UPDATE jobs SET status='failed', error=?, finished=? WHERE status='running'",
-                       (DIED_WHILE_RUNNING, time.time()))
+            now = time.time()
+            db.execute("UPDATE jobs SET status='failed', error=?, error_code='server_restart', finished=? "
+                       "WHERE status='in_progress'", (DIED_WHILE_RUNNING, now))
+            db.execute("UPDATE jobs SET status='cancelled', finished=? WHERE status='cancelling'", (now,))
         self.remove_partial_files()
 
     def remove_partial_files(self) -> list[str]:
@@ -117,18 +173,32 @@ class Store:
 
     # ---- jobs -----------------------------------------------------------------------------------
 
-    def create(self, request: dict[str, Any], queued_limit: int | None = None) -> dict[str, Any] | None:
-        """A new ``queued`` job with a server-made id; ``None`` when ``queued_limit`` jobs are
-        already queued (the check and the insert are one transaction)."""
+    def create(self, request: dict[str, Any], model: str, images: dict[int, bytes] | None = None,
+               queued_limit: int | None = None) -> dict[str, Any] | None:
+        """A new ``queued`` job with a server-made id, and its images (``{frame_pos: bytes}``);
+        ``None`` when ``queued_limit`` jobs are already queued (the check and the inserts are one
+        transaction)."""
         job_id = uuid.uuid4().hex
+        if images:  # the job record names each image by its digest; the bytes are in job_images
+            request = {**request, "image_prompts": [
+                {"frame_pos": pos, "image_bytes": len(data), "image_sha256": hashlib.sha256(data).hexdigest()}
+                for pos, data in sorted(images.items())]}
         with self._tx() as db:
             if queued_limit is not None:
                 (n,) = db.execute("SELECT COUNT(*) FROM jobs WHERE status='queued'").fetchone()
                 if n >= queued_limit:
                     return None
-            db.execute("INSERT INTO jobs (id, status, request, created, total) VALUES (?, 'queued', ?, ?, ?)",
-                       (job_id, json.dumps(request), time.time(), int(request["num_inference_steps"])))
+            db.execute("INSERT INTO jobs (id, status, request, created, total, model) VALUES (?, 'queued', ?, ?, ?, ?)",
+                       (job_id, json.dumps(request), time.time(), int(request["num_inference_steps"]), model))
+            for pos, data in (images or {}).items():
+                db.execute("INSERT INTO job_images (job_id, frame_pos, data) VALUES (?, ?, ?)", (job_id, pos, data))
         return self.get(job_id)
+
+    def images(self, job_id: str) -> dict[int, bytes]:
+        """The images of a job, ``{frame_pos: bytes}`` (empty for text to video)."""
+        with self._lock:
+            rows = self._db.execute("SELECT frame_pos, data FROM job_images WHERE job_id=?", (job_id,)).fetchall()
+        return {int(r["frame_pos"]): bytes(r["data"]) for r in rows}
 
     def get(self, job_id: str) -> dict[str, Any] | None:
         with self._lock:
@@ -145,7 +215,9 @@ class Store:
         return [_job(r) for r in rows]
 
     def queued_ids(self) -> list[str]:
-        return [j["id"] for j in self.list("queued")]
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM jobs WHERE status='queued' ORDER BY created, rowid").fetchall()
+        return [r["id"] for r in rows]
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -153,27 +225,43 @@ class Store:
         found = dict(rows)
         return {s: int(found.get(s, 0)) for s in STATUSES}
 
-    def start(self, job_id: str) -> bool:
-        """``queued`` -> ``running``; False when it is no longer queued (cancelled meanwhile)."""
+    def start(self, job_id: str, worker: int = 0) -> bool:
+        """``queued`` -> ``in_progress`` on ``worker``; False when it is no longer queued (cancelled,
+        or taken by another worker)."""
         with self._tx() as db:
-            cur = db.execute("UPDATE jobs SET status='running', started=? WHERE id=? AND status='queued'",
-                             (time.time(), job_id))
+            cur = db.execute("UPDATE jobs SET status='in_progress', started=?, worker=? WHERE id=? AND status='queued'",
+                             (time.time(), worker, job_id))
+        return cur.rowcount == 1
+
+    def cancelling(self, job_id: str) -> bool:
+        """``in_progress`` -> ``cancelling`` (its worker stops it at the end of the step)."""
+        with self._tx() as db:
+            cur = db.execute("UPDATE jobs SET status='cancelling' WHERE id=? AND status='in_progress'", (job_id,))
         return cur.rowcount == 1
 
     def progress(self, job_id: str, done: int, total: int) -> None:
         with self._tx() as db:
-            db.execute("UPDATE jobs SET done=?, total=? WHERE id=? AND status='running'", (done, total, job_id))
+            db.execute("UPDATE jobs SET done=?, total=? WHERE id=? AND status IN ('in_progress', 'cancelling')",
+                       (done, total, job_id))
 
-    def finish(self, job_id: str, status: str, error: str | None = None, video: str | None = None,
-               result: dict[str, Any] | None = None) -> bool:
-        """A queued or running job becomes ``status`` (completed, failed or cancelled); False when
-        it had already finished."""
-        assert status in FINISHED
+    def complete(self, job_id: str, video: str, result: dict[str, Any]) -> bool:
+        """An ``in_progress`` job is ``completed`` with its video; False when it is not in progress
+        (cancelled meanwhile: ``cancelling``; or already failed at its timeout)."""
+        with self._tx() as db:
+            cur = db.execute("UPDATE jobs SET status='completed', video=?, result=?, finished=? WHERE id=? AND "
+                             "status='in_progress'", (video, json.dumps(result), time.time(), job_id))
+        return cur.rowcount == 1
+
+    def finish(self, job_id: str, status: str, error: tuple[str, str] | None = None) -> bool:
+        """A job not yet finished becomes ``failed`` (with ``error``: ``(code, message)``) or
+        ``cancelled``; False when it had already finished."""
+        assert status in ("failed", "cancelled") and (error is None) == (status == "cancelled")
+        assert error is None or error[0] in ERROR_CODES
+        code, message = error or (None, None)
         with self._tx() as db:
             cur = db.execute(
-                "UPDATE jobs SET status=?, error=?, video=?, result=?, finished=? WHERE id=? AND status IN "
-                "('queued', 'running')",
-                (status, error, video, None if result is None else json.dumps(result), time.time(), job_id))
+                "UPDATE jobs SET status=?, error_code=?, error=?, finished=? WHERE id=? AND status IN "
+                "('queued', 'in_progress', 'cancelling')", (status, code, message, time.time(), job_id))
         return cur.rowcount == 1
 
     def video_path(self, job: dict[str, Any]) -> Path | None:
@@ -184,7 +272,7 @@ class Store:
 
 
 def _job(row: sqlite3.Row) -> dict[str, Any]:
-    """A job as the API shows it."""
+    """A job as the API shows it: tt-media-server's record, then this server's extras."""
     created, started, finished = row["created"], row["started"], row["finished"]
     result = json.loads(row["result"]) if row["result"] else {}
     timings: dict[str, Any] = {"created": created, "started": started, "finished": finished}
@@ -194,8 +282,13 @@ def _job(row: sqlite3.Row) -> dict[str, Any]:
         timings["run_seconds"] = round(finished - started, 3)
     if "step_seconds" in result:
         timings["step_seconds"] = result["step_seconds"]
-    return {"id": row["id"], "object": "video.generation", "status": row["status"],
-            "request": json.loads(row["request"]),
-            "progress": {"done": row["done"], "total": row["total"]},
-            "timings": timings, "error": row["error"], "video": row["video"],
-            "video_shape": result.get("video_shape")}
+    job: dict[str, Any] = {"id": row["id"], "object": "video.generation", "job_type": row["job_type"],
+                           "status": row["status"], "created_at": int(created), "model": row["model"],
+                           "request_parameters": json.loads(row["request"])}
+    if finished is not None and row["status"] in FINISHED:
+        job["completed_at"] = int(finished)
+    if row["error"] is not None:
+        job["error"] = {"code": row["error_code"] or "processing_error", "message": row["error"]}
+    job.update(progress={"done": row["done"], "total": row["total"]}, timings=timings, video=row["video"],
+               video_shape=result.get("video_shape"), worker=row["worker"])
+    return job

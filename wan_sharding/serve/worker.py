@@ -9,12 +9,19 @@ answers with ``RESULT`` lines: ``progress`` after every denoising step, then ``c
 ``cancelled`` or ``failed``. SIGUSR1 cancels the running job at the end of its current step (the
 pipeline stays usable; the next job runs warm).
 
+A job with images (``{frame_pos: base64}``, checked by the server) runs on the image-to-video
+pipeline (:func:`wan_sharding.pipeline.tiny.image_pipeline`: the pipeline itself for I2V-A14B, one
+over the same sharded experts for TI2V-5B), frame 0 as ``image`` and the last frame as
+``last_image``. The worker of one replica (``serve --replicas N``) shards on its sub-mesh
+(``replica_mesh`` in the configuration) and sees only that sub-mesh's devices.
+
 The video goes through :func:`wan_sharding.pipeline.write_video` (a temporary name, renamed when
-complete), the same file ``generate`` writes.
+complete), the same file ``generate`` writes: MP4 unless the request asks for a GIF.
 """
 
 from __future__ import annotations
 
+import base64
 import signal
 import sys
 import time
@@ -39,7 +46,8 @@ class Resident:
     def __init__(self, config: dict[str, Any]) -> None:
         from ..jobs.launch import mesh_arg, plan_mesh_arg, prepare_worker
         from ..pipeline import shard_pipeline
-        from ..pipeline.tiny import build_tiny_pipeline, load_pipeline, pipeline_variant
+        from ..pipeline.tiny import build_tiny_pipeline, image_pipeline, load_pipeline, pipeline_variant
+        from .replicas import mesh_from_dict
 
         prepare_worker(config["backend"])
         self.config = config
@@ -68,9 +76,11 @@ class Resident:
             self.handle = shard_pipeline(self.pipe, plan_mesh_arg(config["backend"], plan), backend=config["backend"],
                                          plan=plan, patches=config.get("patches") or ())
         else:
-            self.handle = shard_pipeline(self.pipe, mesh_arg(config["backend"], config["mesh"]),
-                                         backend=config["backend"], padding=config["padding"],
+            mesh = (mesh_from_dict(config["replica_mesh"]) if config.get("replica_mesh")
+                    else mesh_arg(config["backend"], config["mesh"]))
+            self.handle = shard_pipeline(self.pipe, mesh, backend=config["backend"], padding=config["padding"],
                                          patches=config.get("patches") or ())
+        self.i2v = image_pipeline(self.pipe)  # after sharding: it shares the sharded experts
         shard_s = time.perf_counter() - t
         signal.signal(signal.SIGUSR1, self._on_cancel)
         t = time.perf_counter()
@@ -88,17 +98,33 @@ class Resident:
     def _on_cancel(self, _signum: int, _frame: Any) -> None:
         self.cancel_requested = True
 
-    def kwargs(self, req: dict[str, Any]) -> dict[str, Any]:
+    def kwargs(self, req: dict[str, Any], images: dict[str, Any] | None = None, pipe: Any = None) -> dict[str, Any]:
+        """``pipe(**kwargs)`` for a request; ``images``: ``{"image": PIL, "last_image": PIL}``."""
         from ..pipeline.tiny import call_kwargs
 
-        return call_kwargs(self.pipe, prompt=req["prompt"], negative_prompt=req["negative_prompt"],
+        return call_kwargs(pipe or self.pipe, prompt=req["prompt"], negative_prompt=req["negative_prompt"],
                            frames=req["num_frames"], height=req["height"], width=req["width"],
                            steps=req["num_inference_steps"], guidance_scale=req["guidance_scale"], seed=req["seed"],
-                           tiny=self.tiny, variant=self.variant)
+                           tiny=self.tiny, variant=self.variant, **(images or {}))
 
-    def generate(self, req: dict[str, Any], progress: Any) -> tuple[Any, list[float]]:
+    def images(self, req: dict[str, Any], encoded: dict[str, str]) -> dict[str, Any]:
+        """The pipeline's image arguments from a job's images (``{frame_pos: base64}``, checked by
+        the server with the same rules)."""
+        from ..jobs.conditioning import conditioning, open_image
+
+        rules = conditioning(self.config["variant"], self.config.get("model"))
+        if not encoded:  # a job queued for another server (the API refuses it): no made-up image
+            rules.check_text_only()
+            return {}
+        positions = sorted(int(p) for p in encoded)
+        names = rules.image_arguments(positions, req["num_frames"])
+        return {name: open_image(base64.b64decode(encoded[str(pos)])) for name, pos in zip(names, positions)}
+
+    def generate(self, req: dict[str, Any], progress: Any, images: dict[str, Any] | None = None
+                 ) -> tuple[Any, list[float]]:
         """The frames of one request (F, H, W, 3) and its seconds per step; ``progress(done, total)``
-        after each step. Raises :class:`Cancelled` at a step's end once SIGUSR1 came."""
+        after each step; with ``images`` on the image-to-video pipeline. Raises :class:`Cancelled`
+        at a step's end once SIGUSR1 came."""
         steps = req["num_inference_steps"]
         marks: list[float] = []
 
@@ -111,8 +137,9 @@ class Resident:
 
         if self.cache != "none":
             self._cache_for(steps)
+        pipe = self.i2v if images else self.pipe
         start = time.perf_counter()
-        out = self.pipe(**self.kwargs(req), output_type="np", callback_on_step_end=on_step)
+        out = pipe(**self.kwargs(req, images, pipe), output_type="np", callback_on_step_end=on_step)
         return out.frames[0], [b - a for a, b in zip([start] + marks[:-1], marks)]
 
     def _cache_for(self, steps: int) -> None:
@@ -141,9 +168,10 @@ def _handle(state: Resident, job: dict[str, Any]) -> None:
     job_id = job["id"]
     try:
         t = time.perf_counter()
-        frames, step_s = state.generate(job["request"], lambda done, total: emit(
-            {"event": "progress", "id": job_id, "done": done, "total": total}))
-        video = write_video(frames, Path(job["stem"]))
+        req = job["request"]
+        frames, step_s = state.generate(req, lambda done, total: emit(
+            {"event": "progress", "id": job_id, "done": done, "total": total}), state.images(req, job.get("images")))
+        video = write_video(frames, Path(job["stem"]), video_format=req.get("video_format") or "mp4")
         emit({"event": "completed", "id": job_id, "video": video.name, "video_shape": list(frames.shape),
               "seconds": round(time.perf_counter() - t, 3), "step_seconds": [round(s, 3) for s in step_s]})
     except Cancelled:

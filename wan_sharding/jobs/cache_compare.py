@@ -47,10 +47,10 @@ def _spread(samples: list[float]) -> float:
 def _plan_timing(pipe: Any) -> tuple[int, float, int] | None:
     """Summed over the experts whose cache runs as programs: (cached forwards, host seconds outside
     the programs, program calls) so far; ``None`` when no expert's cache does."""
-    from . import model_cache_probe
-    from .wan import pipeline_experts
+    from ..caching.model import model_cache_probe
+    from ..caching.wan import pipeline_experts
 
-    plans = [p.plan for _, _, dit in pipeline_experts(pipe) if (p := model_cache_probe(dit)) is not None and p.plan]
+    plans = [p.programs for _, _, dit in pipeline_experts(pipe) if (p := model_cache_probe(dit)) is not None and p.programs]
     if not plans:
         return None
     return (sum(p.timing.forwards for p in plans), sum(p.timing.total_s - p.timing.programs_s for p in plans),
@@ -72,7 +72,7 @@ def host_overhead(pipe: Any, since: tuple[int, float, int] | None = None) -> dic
 def _sharded_tiny(p: dict[str, Any], mesh: str, blocks: int | None) -> tuple[Any, Any, Any]:
     """The comparison's tiny pipeline (``blocks`` per expert; ``None``: ``p``'s), built afresh and
     sharded on ``mesh``: (pipeline, its shard handle, a call running one video to latents)."""
-    from ..jobs.launch import mesh_arg
+    from .launch import mesh_arg
     from ..options import torch_dtype
     from ..pipeline import shard_pipeline
     from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
@@ -108,19 +108,19 @@ def blocks_share(p: dict[str, Any], mesh: str, run_n: Any, blocks: int) -> dict[
 
 def _ones(pipe: Any, steps: int) -> dict[str, list[float]]:
     """Magnitude ratios of 1 for every expert's steps (for a MagCache that never skips)."""
-    from .wan import expert_steps
+    from ..caching.wan import expert_steps
 
     return {name: [1.0] * n for name, n in expert_steps(pipe, steps).items()}
 
 
 def cache_comparison(p: dict[str, Any], emit: Any) -> None:
     """The worker's job (see the module docstring); ``emit`` gets one result per mesh and kind."""
-    from ..jobs.launch import mesh_arg
-    from ..jobs.pcc import compare
+    from .launch import mesh_arg
+    from .pcc import compare
     from ..options import torch_dtype
     from ..pipeline import shard_pipeline
     from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
-    from . import calibrate_pipeline_mag_ratios, disable_pipeline_cache, enable_pipeline_cache, pipeline_cache_stats
+    from ..caching import calibrate_pipeline_mag_ratios, disable_pipeline_cache, enable_pipeline_cache, pipeline_cache_stats
 
     pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]), blocks=p.get("blocks"))
     run = lambda: pipe(**call_kwargs(pipe, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731

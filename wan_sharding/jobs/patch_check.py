@@ -1,14 +1,17 @@
 """Worker: the patched, sharded tiny DiT against the vanilla unsharded one, in a process of its own.
 
-``python -m wan_sharding.patches.check`` (the :mod:`wan_sharding.workers` protocol: parameters as
+``python -m wan_sharding.jobs.patch_check`` (the :mod:`wan_sharding.workers` protocol: parameters as
 JSON on stdin, one ``RESULT`` line per case). One backend and one mesh per process, as for
 ``wan_sharding.jobs.check``: torch-xla and JAX must not share a process, and a mesh needs its
 device count. :func:`run_in_subprocess` is the parent side.
 
-Each case: build the tiny model, run it eagerly (the reference), then apply the patches (with the
-mesh), ``shard_dit_specs``, ``apply_dit_sp_activation_sharding`` with the case's padding mode, run it
-sharded twice (the second run reuses the cached rope tables and the compiled program) and report
-the worse PCC and max-abs of the two against the reference, fp32.
+Each case: build the tiny model, run it eagerly (the reference, for the case's prompt and for a
+second prompt), then shard it with the patches (``shard_dit``: patches, specs, placement, SP hooks
+with the case's padding mode) and run it through a pipeline's stand-in
+(:class:`~wan_sharding.pipeline.ShardedTransformer`) twice (the second run reuses the cached rope
+tables, the prompt state of ``prompt_kv`` and the compiled program), then once with the second
+prompt (a new prompt state); report the worst PCC and max-abs of the three against their
+references, fp32, and how many prompt programs ran (``prompt_kv``: 2 for the 3 forwards).
 """
 
 from __future__ import annotations
@@ -37,35 +40,38 @@ def run_case(backend: Any, mesh: str, patches: Sequence[str], variant: str, late
              padding: str, sharpen_by: float = 1.0) -> dict[str, Any]:
     import torch
 
-    from .. import apply_dit_sp_activation_sharding, shard_dit_specs
-    from ..jobs.pcc import compare
+    from ..compose import shard_dit
     from ..models import LatentShape, build_dit, dit_inputs
-    from . import apply_patches
+    from ..patches.prompt_kv import prompt_cache
+    from ..pipeline import ShardedTransformer
+    from .pcc import compare
 
     dit = sharpen(build_dit(variant), sharpen_by)
     inputs = dit_inputs(variant, LatentShape(*latent))
+    generator = torch.Generator().manual_seed(1)
+    other = {**inputs, "encoder_hidden_states": torch.randn(inputs["encoder_hidden_states"].shape,
+                                                            generator=generator)}
     with torch.no_grad():
-        reference = dit(**inputs, return_dict=False)[0]
+        reference, reference_other = (dit(**x, return_dict=False)[0] for x in (inputs, other))
+    references = [reference, reference, reference_other]
     start = time.perf_counter()
-    patched = apply_patches(dit, patches, mesh=mesh)
-    specs = shard_dit_specs(dit, mesh)
-    placed = backend.place(dit, specs)
-    sp = apply_dit_sp_activation_sharding(dit, mesh, backend=backend, padding=padding)
-    with torch.no_grad():  # twice: the second run reuses what the first cached (rope tables, programs)
-        outs = [backend.run(dit, placed, **inputs) for _ in range(2)]
-    sp.remove()
-    patched.remove()
-    backend.release(dit)
-    (value, max_abs), (value2, max_abs2) = (compare(reference, out) for out in outs)
-    value, max_abs = min(value, value2), max(max_abs, max_abs2)
+    sharding = shard_dit(dit, mesh, backend=backend, padding=padding, patches=patches)
+    model = ShardedTransformer(dit, backend, sharding.placed, "transformer", padding, sp=sharding.sp)
+    with torch.no_grad():  # the second run reuses what the first cached (rope tables, prompt state, programs)
+        outs = [model(**x, return_dict=False)[0] for x in (inputs, inputs, other)]
+    cache = prompt_cache(dit)
+    programs = cache.computed if cache is not None else None
+    sharding.remove()
+    compared = [compare(ref, out) for ref, out in zip(references, outs)]
     return {"backend": backend.name, "mesh": mesh, "patches": list(patches), "variant": variant,
-            "latent": list(latent), "padding": padding, "pcc": value, "max_abs": max_abs,
+            "latent": list(latent), "padding": padding, "pcc": min(c[0] for c in compared),
+            "max_abs": max(c[1] for c in compared), "prompt_programs": programs,
             "seconds": round(time.perf_counter() - start, 2)}
 
 
 def _job(params: dict[str, Any]) -> Iterable[dict[str, Any]]:
-    from .. import get_backend
-    from ..jobs.launch import prepare_worker
+    from ..backends import get_backend
+    from .launch import prepare_worker
 
     prepare_worker(params["backend"])
     backend = get_backend(params["backend"], params["mesh"])
@@ -79,12 +85,12 @@ def run_in_subprocess(backend: str, mesh: str, patches: Sequence[str], cases: Se
     """Run ``cases`` (dicts with ``variant``, ``latent`` ``[F, H, W]``, ``padding`` and optionally
     ``sharpen``, see :func:`sharpen`) for one backend on one mesh in a fresh worker process; returns
     one result dict per case."""
-    from ..jobs.launch import stall_seconds, worker_env
+    from .launch import stall_seconds, worker_env
     from ..mesh import mesh_from_preset
     from ..workers import WorkerError, run_worker
 
     params = {"backend": backend, "mesh": mesh, "patches": list(patches), "cases": list(cases)}
-    run = run_worker("wan_sharding.patches.check", params, worker_env(backend, mesh_from_preset(mesh).num_devices),
+    run = run_worker("wan_sharding.jobs.patch_check", params, worker_env(backend, mesh_from_preset(mesh).num_devices),
                      label=f"{backend} patches worker on {mesh}", timeout=timeout, stall_s=stall_seconds(backend))
     if not run.ok:
         raise WorkerError(f"{backend} patches worker on {mesh} failed (exit {run.returncode}):\n{run.output[-4000:]}")

@@ -2,9 +2,9 @@
 
 diffusers' TaylorSeer and PAB hooks decide per module (a block's ``attn1``, ``attn2``, ``ffn``), but
 every decision follows from counters and the pipeline's timestep, known on the host before the
-forward runs. A :class:`ModulePlan` therefore takes all of a forward's decisions first, on the
+forward runs. A :class:`ModulePrograms` therefore takes all of a forward's decisions first, on the
 hooks' own state, and runs the forward as one program for that decision pattern, compiled once per
-pattern and input signature by the backend (as a :class:`~.programs.BlockPlan` does):
+pattern and input signature by the backend (as a :class:`~.programs.BlockPrograms` does):
 
 - TaylorSeer: each module's ``TaylorSeerCacheHook._measure_should_compute`` (diffusers' own; it
   advances the module's step count). With the Wan config every module shares one schedule, so a
@@ -16,7 +16,7 @@ pattern and input signature by the backend (as a :class:`~.programs.BlockPlan` d
   ``predict/1..2``. The factors are program inputs and outputs: they stay on the devices, in the
   hooks' own ``TaylorSeerState.taylor_factors``.
 - PAB: each attention's decision is ``PyramidAttentionBroadcastHook.new_forward``'s (re-stated in
-  :meth:`ModulePlan._pab`, on its state); ``attn1`` and ``attn2`` each count on their own, so a Wan
+  :meth:`ModulePrograms._pab`, on its state); ``attn1`` and ``attn2`` each count on their own, so a Wan
   forward is one of at most four patterns (attn1 computed?, attn2 computed?). A program is given
   the cached outputs of the attentions it skips and returns the ones it computes, which become the
   hooks' ``state.cache``.
@@ -62,12 +62,12 @@ def module_plan_refusal(config: Any, hooked: list[str]) -> str | None:
     return None
 
 
-def module_plan(dit: torch.nn.Module, config: Any, hooked: list[str]) -> ModulePlan | None:
-    """A :class:`ModulePlan` for ``config`` on ``dit``, or ``None`` where it runs per module."""
+def module_programs_for(dit: torch.nn.Module, config: Any, hooked: list[str]) -> ModulePrograms | None:
+    """A :class:`ModulePrograms` for ``config`` on ``dit``, or ``None`` where it runs per module."""
     kind = module_cache_kind(config)
     if kind is None or module_plan_refusal(config, hooked) is not None:
         return None
-    return ModulePlan(dit, kind, hooked)
+    return ModulePrograms(dit, kind, hooked)
 
 
 def program_name(modes: dict[str, str]) -> str:
@@ -91,9 +91,9 @@ def _taylor_predict() -> Callable:
     return inspect.unwrap(TaylorSeerState.predict)
 
 
-class ModulePlan:
+class ModulePrograms:
     """How one DiT's per-module cache runs as one program per forward (see the module docstring).
-    The backends run it through the same interface as a :class:`~.programs.BlockPlan`
+    The backends run it through the same interface as a :class:`~.programs.BlockPrograms`
     (``key``, ``body``, ``skipped_modules``, ``forward``), and the probe's inner hooks read the
     same attributes (``trace``, ``blocks``: here the hooked modules, ``hidden_states``)."""
 
@@ -103,7 +103,7 @@ class ModulePlan:
         self._modules = {name: module for name, module in dit.named_modules() if name in wanted}
         self.dit, self.kind, self.blocks, self.prefix = dit, kind, list(self._modules), []
         self.trace: Trace | None = None
-        self.below: dict[str, Callable] = {}  # set by install_probe, as for a BlockPlan
+        self.below: dict[str, Callable] = {}  # set by install_probe, as for a BlockPrograms
         self.timing = ForwardTiming()
         self._modes: dict[str, dict[str, str]] = {}  # program name -> each module's mode
 
