@@ -11,16 +11,19 @@ total is the report's ``runtime_ops_per_block``), the ops per block tt-mlir hois
 (run once, at load), the composites that reached TTIR, the bill check, the options used and compile
 seconds. ``--unmarked`` adds each configuration with nothing marked (every argument an input: the
 package's compiles before), side by side.
-``--level1`` adds Blackhole compiles at optimization level 1 (where tt-mlir keeps the fused SDPA);
-they take minutes each. ``--galaxies`` compiles only the multi-Galaxy views (torchax, 64 and 128
+``--level1`` adds Blackhole compiles at optimization level 1 (where tt-mlir keeps the fused SDPA),
+with every exact patch; they take minutes each. ``--galaxies`` compiles only the multi-Galaxy views (torchax, 64 and 128
 chips, ``4x16-tt-metal`` / ``4x32-tt-metal``, both archs) with the hardware set and default options
 (level 0 there, with the reason: Wormhole's firmware build, and on Blackhole tt-metal's mock
 device has no 64- or 128-chip configuration), the token
 dim padded by the default key mask (480p's 32760 tokens do not split over SP 16 or 32).
-Each run replaces the rows of the same label in the JSON and keeps the others.
+Each run replaces the rows of the same label in the JSON and keeps the others. Every run (and
+``--render``) then prints the runtime ops per block by cause (``wan_sharding.compile.causes``) of
+the marked rows with every exact patch, beside tt-metal's hand-written block, and draws the same as
+a chart (``--chart``, default ``docs/images/block-ops-by-cause.png``).
 
     python scripts/bench_hardware.py                 # writes results/hardware.json
-    python scripts/bench_hardware.py --only torchax --level1
+    python scripts/bench_hardware.py --only torchax --composites hardware --level1
     python scripts/bench_hardware.py --galaxies
     python scripts/bench_hardware.py --composites hardware --unmarked   # marking's effect
 """
@@ -40,6 +43,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from wan_sharding.compile import CompileRequest, compile_reports, latent_for  # noqa: E402
+from wan_sharding.compile.causes import CAUSES  # noqa: E402
 from wan_sharding.compile.ttnn_ir import BOOKKEEPING_OPS, COLLECTIVES  # noqa: E402
 from wan_sharding.patches import EXACT_PATCHES  # noqa: E402
 from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
@@ -77,6 +81,24 @@ def op_classes(per_block_ops: dict[str, float]) -> dict[str, float]:
 
 GALAXIES = ("4x16-tt-metal", "4x32-tt-metal")
 
+# tt-metal's hand-written Wan 2.2 block, TTNN calls per block by the same causes, counted from its
+# source (tenstorrent/tt-metal models/tt_dit/models/transformers/wan2_2/transformer_wan.py at
+# b076cef1, attention_wan.py at df142af6, layers/normalization.py) on a mesh with TP > 1 and SP > 1.
+TT_METAL_BLOCK = {
+    "weight preparation": 0,  # weights tiled once, at load
+    "norms": 21,  # norm1/2/3 as DistributedLayerNorm (pre, stats all_gather, post: 3 each) + norm_q/norm_k
+                  # per attention as wan_fused_rmsnorm pre / all_gather / post (3 each)
+    "RoPE": 0,  # inside the fused RMSNorm's post step
+    "heads": 6,  # nlp_create_qkv_heads (V), concatenate_heads, unsqueeze, per attention (Q/K split in the norm)
+    "SDPA": 2,  # ring_joint_scaled_dot_product_attention (attn1, K/V exchange inside), SDPA (attn2)
+    "projections": 10,  # to_q, to_k, to_v, to_out per attention; ff1 (GELU fused), ff2
+    "adaLN": 4,  # scale_shift_table + temb, chunk, 2 typecasts
+    "residuals": 3,  # 2 addcmul (gated), 1 add
+    "collectives": 5,  # all_gather over TP before each attention, before each to_out, before the FFN
+    "layout": 0,
+    "other": 0,
+}
+
 
 def configs(only: str | None, level1: bool, galaxies: bool = False, composites: tuple[str, ...] = ("hardware", "sdpa"),
             unmarked: bool = False) -> list[tuple[str, str, CompileRequest]]:
@@ -100,8 +122,10 @@ def configs(only: str | None, level1: bool, galaxies: bool = False, composites: 
                                  CompileRequest(mesh=mesh, frontend=frontend, composites=comp, patches=patches,
                                                 mark_arguments=marked, **base)))
         if level1:
-            rows.append(("blackhole", f"{frontend} {mesh} hardware level 1 (blackhole)",
-                         CompileRequest(mesh=mesh, frontend=frontend, composites="hardware", **base)))
+            # with every exact patch: what a step still runs where tt-mlir keeps the fused SDPA
+            rows.append(("blackhole", f"{frontend} {mesh} hardware +patches level 1 (blackhole)",
+                         CompileRequest(mesh=mesh, frontend=frontend, composites="hardware", patches=EXACT_PATCHES,
+                                        **base)))
     return rows
 
 
@@ -114,6 +138,7 @@ def row(label: str, arch: str, r: dict) -> dict:
            "runtime_ops_per_block": r.get("runtime_ops_per_block"),
            "const_eval_ops_per_block": r.get("const_eval_ops_per_block"), "const_eval_ops": r.get("const_eval_ops"),
            "runtime_ops_per_block_by_op": r.get("runtime_ops_per_block_by_op"),
+           "runtime_ops_per_block_by_cause": r.get("runtime_ops_per_block_by_cause"),
            "per_block_totals": r.get("per_block_totals"), "compile_seconds": r.get("compile_seconds"),
            "base_compile_seconds": r.get("base_compile_seconds"), "trace_seconds": r.get("trace_seconds")}
     ops = r.get("per_block_ops") or {}
@@ -148,6 +173,77 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The rows the cause table and the chart show (the marked rows with every exact patch), in order.
+CAUSE_ROWS = ("torchax 8x4 hardware +patches", "torch-xla 2x4 hardware +patches",
+              "torchax 8x4 hardware +patches level 1 (blackhole)", "torch-xla 2x4 hardware +patches level 1 (blackhole)")
+
+
+def cause_rows(rows: list[dict]) -> list[dict]:
+    by_label = {r["label"]: r for r in rows if r.get("runtime_ops_per_block_by_cause")}
+    return [by_label[label] for label in CAUSE_ROWS if label in by_label]
+
+
+def causes_markdown(rows: list[dict]) -> str:
+    """Runtime ops per block by cause for the :data:`CAUSE_ROWS` measured, beside tt-metal's block."""
+    shown = cause_rows(rows)
+    head = ["cause", *[r["label"].replace(" hardware +patches", "") for r in shown], "tt-metal's block"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cause in CAUSES:
+        values = [r["runtime_ops_per_block_by_cause"].get(cause, 0) for r in shown]
+        if not any(values) and not TT_METAL_BLOCK[cause]:
+            continue
+        lines.append("| " + " | ".join([cause, *[f"{v:g}" for v in values], str(TT_METAL_BLOCK[cause])]) + " |")
+    totals = [sum(r["runtime_ops_per_block_by_cause"].values()) for r in shown]
+    lines.append("| " + " | ".join(["**total**", *[f"**{t:g}**" for t in totals],
+                                    f"**{sum(TT_METAL_BLOCK.values())}**"]) + " |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], path: Path) -> Path | None:
+    """A horizontal stacked bar per configuration (and tt-metal's block): runtime ops per block by
+    cause, written as a PNG with Pillow (a diffusers dependency, so nothing more to install)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    shown = cause_rows(rows)
+    if not shown:
+        return None
+    bars = [(r["label"].replace(" hardware +patches", ""), r["runtime_ops_per_block_by_cause"]) for r in shown]
+    bars.append(("tt-metal's block (hand-written)", TT_METAL_BLOCK))
+    colors = ["#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+              "#bcbd22", "#7f7f7f"]
+    font, small = ImageFont.load_default(size=15), ImageFont.load_default(size=12)
+    left, top, bar_h, gap, scale = 330, 50, 30, 16, 4.0
+    width = left + int(scale * max(sum(v for v in c.values()) for _, c in bars)) + 80
+    height = top + len(bars) * (bar_h + gap) + 90
+    img = Image.new("RGB", (width, height), "white")
+    d = ImageDraw.Draw(img)
+    d.text((10, 12), "TTNN ops one Wan 2.2 block runs per step, by cause (T2V-A14B, 480p, tt-mlir compile-only)",
+           fill="black", font=font)
+    for i, (label, counts) in enumerate(bars):
+        y = top + i * (bar_h + gap)
+        d.text((10, y + 7), label, fill="black", font=small)
+        x = left
+        for cause, color in zip(CAUSES, colors):
+            w = scale * counts.get(cause, 0)
+            if w:
+                d.rectangle([x, y, x + w, y + bar_h], fill=color, outline="white")
+                if w >= 22:
+                    d.text((x + 3, y + 9), f"{counts[cause]:g}", fill="white", font=small)
+            x += w
+        d.text((x + 6, y + 7), f"{sum(counts.values()):g}", fill="black", font=font)
+    y = top + len(bars) * (bar_h + gap) + 10
+    x = 10
+    for cause, color in zip(CAUSES, colors):
+        d.rectangle([x, y, x + 14, y + 14], fill=color)
+        d.text((x + 18, y), cause, fill="black", font=small)
+        x += 24 + int(d.textlength(cause, font=small))
+        if x > width - 140:
+            x, y = 10, y + 22
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=["torch-xla", "torchax"], default=None)
@@ -158,12 +254,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="also each configuration with no argument marked (every argument an input), side by side")
     p.add_argument("--out", default=str(ROOT / "results" / "hardware.json"))
     p.add_argument("--render", action="store_true", help="print the table of --out again (classes recomputed), no compile")
+    p.add_argument("--chart", default=str(ROOT / "docs" / "images" / "block-ops-by-cause.png"),
+                   help="where the chart of ops per block by cause goes (PNG)")
     args = p.parse_args(argv)
     if args.render:
         rows = json.loads(Path(args.out).read_text())["rows"]
         for r in rows:
             r["per_block_classes"] = classes_of(r)
         print(markdown(rows))
+        print()
+        print(causes_markdown(rows))
+        chart(rows, Path(args.chart))
         return 0
     install_signal_handlers()
     rows = []
@@ -189,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write(path, json.dumps(out, indent=1) + "\n")
     print()
     print(markdown(out["rows"]))
+    print()
+    print(causes_markdown(out["rows"]))
+    written = chart(out["rows"], Path(args.chart))
+    if written:
+        print(f"chart: {written}")
     return 0
 
 

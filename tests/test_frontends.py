@@ -51,6 +51,7 @@ def reports(tmp_path_factory) -> dict[str, dict]:
         "torchax/8x4": _tiny("torchax", mesh="8x4"),
         "torchax/rope": _tiny("torchax", patches=("rope",)),
         "torchax/unmarked": _tiny("torchax", mark_arguments=False),
+        "torch-xla/prompt_kv": _tiny("torch-xla", patches=("prompt_kv",)),
         # hardware's options: DRAM space saving compiles once the RoPE is half-rotation
         "torch-xla/rope": _tiny("torch-xla", patches=("rope",), compile_options=None),
     }
@@ -180,6 +181,46 @@ def test_arguments_reach_tt_mlir_marked_and_weights_are_tiled_in_const_eval(repo
     assert once < want["parameter"] <= step.count("input")
     assert u["runtime_ops_per_block"] > reports["torchax"]["runtime_ops_per_block"]
     assert u["bill_ok"] and u["per_block_totals"] == {"large": 5, "small": 4}  # the bill keeps its meaning
+
+
+@needs_plugin
+@pytest.mark.parametrize("frontend", ["torchax", "torch-xla"])
+def test_every_runtime_op_of_a_block_gets_a_cause(reports, frontend):
+    # The causes split the step's ops per block exactly, and none is left unexplained. Marked, no
+    # weight preparation is left in the step; the collectives are the bill's 5 large ones (2 K/V
+    # gathers over SP, 3 all-reduces over TP; the 4 statistics gathers count with their norms).
+    r = reports[frontend]
+    c = r["runtime_ops_per_block_by_cause"]
+    assert sum(c.values()) == pytest.approx(r["runtime_ops_per_block"])
+    assert c["other"] == 0 and c["weight preparation"] == 0, c
+    assert c["collectives"] == r["per_block_totals"]["large"] == 5
+    assert all(c[k] > 0 for k in ("norms", "RoPE", "heads", "SDPA", "projections", "adaLN", "residuals")), c
+    # Unmarked, what marking takes out of the step is exactly the weight preparation.
+    u = reports["torchax/unmarked"]["runtime_ops_per_block_by_cause"]
+    marked = reports["torchax"]["runtime_ops_per_block_by_cause"]
+    assert u["weight preparation"] > 0
+    assert {k: v for k, v in u.items() if k != "weight preparation"} == {
+        k: v for k, v in marked.items() if k != "weight preparation"}
+    # prompt_kv takes cross-attention's K and V projections (and K's norm) out of the step
+    kv, plain = reports["torchax/1x4/prompt_kv"]["runtime_ops_per_block_by_cause"], \
+        reports["torchax/1x4"]["runtime_ops_per_block_by_cause"]
+    assert kv["projections"] < plain["projections"] and kv["norms"] < plain["norms"]
+    assert kv["RoPE"] == plain["RoPE"] and kv["adaLN"] == plain["adaLN"]
+
+
+@needs_plugin
+def test_prompt_kv_on_torch_xla_marks_each_k_and_v_an_input(reports):
+    # The prompt state ({block: (K, V)}) replaces the prompt embedding: each of its tensors is an
+    # input, as in tt-xla's export signature (converted in the step, as activations are: not weight
+    # preparation); the step then runs no norm_k of the prompt, and fewer ops in all.
+    r, plain = reports["torch-xla/prompt_kv"], reports["torch-xla"]
+    assert r["ok"], r.get("error")
+    assert r["arguments_marked"]["input"] == 2 + 2 * 2  # hidden_states, timestep, K and V of 2 blocks
+    assert r["argument_types"]["input"] == 6
+    assert r["bill_ok"], r["bill_problems"]
+    kv, base = r["runtime_ops_per_block_by_cause"], plain["runtime_ops_per_block_by_cause"]
+    assert kv["weight preparation"] == 0 and kv["norms"] < base["norms"]
+    assert r["runtime_ops_per_block"] < plain["runtime_ops_per_block"]
 
 
 @needs_plugin

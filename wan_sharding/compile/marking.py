@@ -37,6 +37,7 @@ from collections import Counter
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 PARAMETER, CONSTANT, INPUT = "parameter", "constant", "input"
 ROLES = (PARAMETER, CONSTANT, INPUT)
@@ -167,7 +168,7 @@ class XlaArgumentMarks(torch.overrides.TorchFunctionMode):
     Enter it after (inside) the composites' mode, so a composite's operands are the marked values.
     """
 
-    def __init__(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]):
+    def __init__(self, model: torch.nn.Module, inputs: Mapping[str, Any]):
         super().__init__()
         import torch_xla
 
@@ -178,8 +179,12 @@ class XlaArgumentMarks(torch.overrides.TorchFunctionMode):
             self._roles[self._id(t)] = (PARAMETER, name)
         for name, t in model.named_buffers():
             self._roles[self._id(t)] = (CONSTANT, name)
-        for name, t in inputs.items():
-            self._roles[self._id(t)] = (INPUT, name)
+        for name, value in inputs.items():
+            # an input may be a structure of tensors (prompt_kv's prompt state: {block: (K, V)}),
+            # each of its tensors an input, as in tt-xla's export signature
+            leaves, _ = tree_flatten(value)
+            for i, t in enumerate(leaves):
+                self._roles[self._id(t)] = (INPUT, name if len(leaves) == 1 else f"{name}.{i}")
         self._marked: dict[int, torch.Tensor] = {}  # tensor id -> its marked value
         self._plain: set[int] = set()  # ids of tensors computed in the graph (nothing to mark)
         self.counts: Counter[str] = Counter()

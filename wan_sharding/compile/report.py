@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from ..mesh import TILE
 from ..models import config_for
 from . import bill as ir_bill
+from .causes import per_block_causes
 from .request import CompileRequest, CompileResult
 from .runner import compile_many
 from .ttnn_ir import REPORTED_OPS, TTNNModule, format_bytes, ttir_attention
@@ -105,12 +106,15 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
     budget = ir_bill.design_bytes(config_for(req.variant, req.size), mesh, main.padded_tokens or main.tokens,
                                   req.batch, req.dtype)
     problems = ir_bill.bill_problems(bill, mesh, budget, prompt_kv="prompt_kv" in req.patches)
+    causes = per_block_causes(Path(base.ttnn_path).read_text(), Path(main.ttnn_path).read_text(),
+                              base.request.num_blocks, req.num_blocks)
     report.update(
         design_bytes=budget.to_json(),
         per_block=bill.counts(), per_block_totals=bill.totals(),
         per_block_entries=[e.to_json() for e in bill.entries], per_block_ops=bill.ops,
         # what a step runs per block, apart from what tt-mlir hoisted into const-eval (run once)
         **split,
+        runtime_ops_per_block_by_cause=causes,
         bill_ok=not problems, bill_problems=problems,
         base_blocks=base.request.num_blocks, base_compile_seconds=base.compile_seconds,
     )
@@ -209,7 +213,9 @@ def ops_line(report: dict[str, Any]) -> str | None:
         return None
     return (f"TTNN ops per block (bookkeeping left out): {report['runtime_ops_per_block']:g} in the step's program, "
             f"{report['const_eval_ops_per_block']:g} in const-eval; const-eval in all: {report['const_eval_ops']} ops, "
-            "run once when the program is loaded")
+            "run once when the program is loaded"
+            + (f"\n  by cause: {', '.join(f'{k} {v:g}' for k, v in causes.items() if v)}"
+               if (causes := report.get("runtime_ops_per_block_by_cause")) else ""))
 
 
 def format_report(report: dict[str, Any], top: int = 25) -> str:

@@ -31,14 +31,15 @@ from typing import Any
 import torch
 
 from ..hooks import has_sp
-from . import adaln_bf16, patchify, prompt_kv, qkv, rope, rope_tables
+from . import adaln_bf16, ffn_rows, patchify, prompt_kv, qkv, rope, rope_tables
 from .base import Patch, PatchContext, PatchError
 
 # name -> patch, in the order ``apply_patches`` applies them (``rope`` before ``qkv`` fuses its
 # permuted weights, and before ``rope_tables`` caches its layout; ``prompt_kv`` reads whichever
 # projections the processor has)
 PATCHES: dict[str, Patch] = {
-    p.name: p for p in (patchify.PATCH, rope.PATCH, qkv.PATCH, rope_tables.PATCH, prompt_kv.PATCH, adaln_bf16.PATCH)
+    p.name: p for p in (patchify.PATCH, rope.PATCH, qkv.PATCH, rope_tables.PATCH, prompt_kv.PATCH, ffn_rows.PATCH,
+                        adaln_bf16.PATCH)
 }
 EXACT_PATCHES: tuple[str, ...] = tuple(n for n, p in PATCHES.items() if p.exact)
 EXACT = "exact"  # the name that selects every exact patch (apply_patches, --patches)

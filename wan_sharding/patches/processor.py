@@ -133,9 +133,12 @@ class PatchedAttnProcessor:
 
     def prompt_kv(self, attn, context):
         """What a cross-attention computes from the prompt alone: K after ``norm_k``, and V, each
-        (B, S, channels), as :meth:`attend` would before the head split."""
+        split into heads and laid out heads first, (B, heads, S, head dim), as SDPA takes them: the
+        split runs once per prompt too, and the step's transpose back (for diffusers' dispatch)
+        meets the dispatch's own permute, which the compiler folds away."""
         key, value = self.kv_projections(attn, context)
-        return attn.norm_k(key), value
+        return (attn.norm_k(key).unflatten(2, (attn.heads, -1)).transpose(1, 2),
+                value.unflatten(2, (attn.heads, -1)).transpose(1, 2))
 
     def attend(self, attn, hidden_states, rotary_emb, keep: int | None, encoder_hidden_states=None,
                attention_mask=None):
@@ -145,12 +148,12 @@ class PatchedAttnProcessor:
             if self.prompt_key is None:
                 raise ValueError("this cross-attention got a prompt state (a dict) in place of the text embedding, but "
                                  "the 'prompt_kv' patch is not applied to it; pass the prompt embedding itself")
-            query = attn.norm_q(attn.to_q(hidden_states))
-            key, value = encoder_hidden_states[self.prompt_key]
+            query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+            key, value = (t.transpose(1, 2) for t in encoder_hidden_states[self.prompt_key])
         else:
             query, key, value = self.projections(attn, hidden_states, encoder_hidden_states)
             query, key = attn.norm_q(query), attn.norm_k(key)
-        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+            query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         if rotary_emb is not None:
             rotary = half_rotary if self.half_rotary else interleaved_rotary
             query, key = rotary(query, *rotary_emb), rotary(key, *rotary_emb)
