@@ -178,6 +178,12 @@ CAUSE_ROWS = ("torchax 8x4 hardware +patches", "torch-xla 2x4 hardware +patches"
               "torchax 8x4 hardware +patches level 1 (blackhole)", "torch-xla 2x4 hardware +patches level 1 (blackhole)")
 
 
+def short_label(r: dict) -> str:
+    """``torchax 8x4, Wormhole, level 0``: what tells the cause table's columns apart."""
+    arch = "Blackhole" if r["arch"] == "blackhole" else "Wormhole"
+    return f"{r['frontend']} {r['mesh']}, {arch}, level {(r['options_used'] or {}).get('optimization_level', '?')}"
+
+
 def cause_rows(rows: list[dict]) -> list[dict]:
     by_label = {r["label"]: r for r in rows if r.get("runtime_ops_per_block_by_cause")}
     return [by_label[label] for label in CAUSE_ROWS if label in by_label]
@@ -186,7 +192,7 @@ def cause_rows(rows: list[dict]) -> list[dict]:
 def causes_markdown(rows: list[dict]) -> str:
     """Runtime ops per block by cause for the :data:`CAUSE_ROWS` measured, beside tt-metal's block."""
     shown = cause_rows(rows)
-    head = ["cause", *[r["label"].replace(" hardware +patches", "") for r in shown], "tt-metal's block"]
+    head = ["cause", *[short_label(r) for r in shown], "tt-metal's block"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cause in CAUSES:
         values = [r["runtime_ops_per_block_by_cause"].get(cause, 0) for r in shown]
@@ -207,7 +213,7 @@ def chart(rows: list[dict], path: Path) -> Path | None:
     shown = cause_rows(rows)
     if not shown:
         return None
-    bars = [(r["label"].replace(" hardware +patches", ""), r["runtime_ops_per_block_by_cause"]) for r in shown]
+    bars = [(short_label(r), r["runtime_ops_per_block_by_cause"]) for r in shown]
     bars.append(("tt-metal's block (hand-written)", TT_METAL_BLOCK))
     colors = ["#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
               "#bcbd22", "#7f7f7f"]

@@ -15,9 +15,10 @@ details.
     handle.remove()                                         # SP off, then the vanilla model again
 
 Order: patches first, then ``shard_dit_specs`` and ``apply_dit_sp_activation_sharding``.
-``patchify``, ``rope_tables``, ``prompt_kv`` and ``adaln_bf16`` also work on a model that already has SP hooks;
-``rope`` and ``qkv`` replace the self-attention processor that SP's padding modes wrap, so on such a
-model (and for their removal while SP is on) they raise PatchError saying to remove SP first.
+``patchify``, ``rope_tables``, ``prompt_kv``, ``ffn_rows`` and ``adaln_bf16`` also work on a model that
+already has SP hooks; ``rope`` and ``qkv`` replace the self-attention processor that SP's padding
+modes wrap, so on such a model (and for their removal while SP is on) they raise PatchError saying
+to remove SP first.
 ``shard_dit_specs`` must always run after the patches (``patchify`` and ``qkv`` make new parameters).
 """
 
