@@ -19,8 +19,8 @@ os.environ.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # This process's JAX runs on the CPU: it need not load the Tenstorrent plugin, which unpacks its
-# runtime at every load (wan_sharding.backends.jax.keep_plugins_out_of_cpu_jax).
-from wan_sharding.backends.jax import keep_plugins_out_of_cpu_jax  # noqa: E402
+# runtime at every load (wan_sharding.backends.jax_plugins.keep_plugins_out_of_cpu_jax).
+from wan_sharding.backends.jax_plugins import keep_plugins_out_of_cpu_jax  # noqa: E402
 
 keep_plugins_out_of_cpu_jax()
 

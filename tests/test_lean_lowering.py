@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from wan_sharding.backends.jax import _add, _neg, _sub, install_lean_lowerings
+from wan_sharding.backends.torchax_ops import _add, _neg, _sub, install_lean_lowerings
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 from wan_sharding.patches import apply_patches
 from wan_sharding.patches.processor import half_rotary

@@ -73,7 +73,7 @@ def prepare_worker(backend: str) -> None:
 
         enable_spmd()
     else:  # keep torch-xla's runtime (diffusers' Wan loop would start it) and unused plugins out of a JAX process
-        from ..backends.jax import keep_plugins_out_of_cpu_jax
+        from ..backends.jax_plugins import keep_plugins_out_of_cpu_jax
         from ..pipeline.shard import diffusers_without_torch_xla
 
         keep_plugins_out_of_cpu_jax()
