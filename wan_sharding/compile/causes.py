@@ -40,20 +40,14 @@ in ``tests/test_frontends.py`` check the sums and the hand-checkable parts on a 
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
+from itertools import groupby
 
-from .marking import argument_roles_by_function
-from .ttnn_ir import BOOKKEEPING_OPS, COLLECTIVES, TensorType, tensor_types
+from .ttnn_ir import BOOKKEEPING_OPS, COLLECTIVES, Op, TTNNModule
 
 CAUSES = ("weight preparation", "norms", "RoPE", "heads", "SDPA", "projections", "adaLN", "residuals",
           "collectives", "layout", "other")
-
-_LINE = re.compile(r'^\s*(?:(%[\w#:]+)\s*=\s*)?"ttnn\.(\w+)"\((.*?)\)\s*(?:<\{|\{|:)')
-_VALUE = re.compile(r"%[\w]+(?:#\d+)?")
-_FUNC = re.compile(r"func\.func\s+(?:private\s+)?@([\w.$-]+)")
 
 DATA_MOVEMENT = {"to_layout", "typecast", "reshape", "slice_static", "permute", "transpose", "concat",
                  "to_memory_config", "repeat", "pad"}
@@ -63,70 +57,56 @@ NORM_OPS = {"rms_norm_pre_all_gather", "rms_norm_post_all_gather", "rms_norm", "
 
 @dataclass
 class Node:
-    """One op of a function: its name, the SSA values it reads and writes, its types."""
+    """One op of the step's program, linked to the ops it reads and those that read it."""
 
-    name: str
-    result: str | None
-    operands: list[str]
-    operand_types: tuple[TensorType, ...]
-    result_types: tuple[TensorType, ...]
+    op: Op
+    inputs: list[bool]  # per operand: a function argument marked ``input``
     consumers: list["Node"] = field(default_factory=list, repr=False)
     producers: list["Node | None"] = field(default_factory=list, repr=False)  # None: a function argument
-    inputs: list[bool] = field(default_factory=list, repr=False)  # per operand: an argument marked input
     cause: str | None = None
 
     @property
+    def name(self) -> str:
+        return self.op.name
+
+    @property
+    def operands(self) -> tuple[str, ...]:
+        return self.op.values
+
+    @property
+    def operand_types(self):
+        return self.op.operands
+
+    @property
     def out(self) -> tuple[int, ...]:
-        return self.result_types[0].shape if self.result_types else ()
+        return self.op.results[0].shape if self.op.results else ()
 
     def arg_shape(self, i: int) -> tuple[int, ...]:
-        return self.operand_types[i].shape if i < len(self.operand_types) else ()
+        return self.op.operands[i].shape if i < len(self.op.operands) else ()
 
 
-def parse_functions(text: str, const_eval: bool = False) -> list[list[Node]]:
-    """The ops of each function of a TTNN module (the step's functions, or with ``const_eval`` the
-    const-eval ones), bookkeeping left out, with producers and consumers linked."""
-    roles = argument_roles_by_function(text)
-    marked = "parameter" in roles.get("main", {}).values()  # the compile marked the weights
-    functions: list[list[Node]] = []
-    current: list[Node] | None = None
-    inputs: set[str] = set()
-    for line in text.splitlines():
-        if "func.func" in line:
-            m = _FUNC.search(line)
-            keep = m is not None and ("const_eval" in m.group(1)) == const_eval
-            current = [] if keep else None
-            if current is not None:
-                functions.append(current)
-                # the arguments marked ``input`` where weights are marked ``parameter``: activations,
-                # never weight preparation (unmarked, tt-mlir calls every argument an input)
-                inputs = ({f"%arg{i}" for i, r in roles.get(m.group(1), {}).items() if r == "input"}
-                          if marked else set())
-            continue
-        if current is None:
-            continue
-        m = _LINE.search(line)
-        if not m:
-            continue
-        name = m.group(2)
-        if name in BOOKKEEPING_OPS:
-            continue
-        head, _, tail = line.partition(" : (")
-        operands_txt, _, results_txt = tail.partition(") -> ")
-        operands = _VALUE.findall(m.group(3))
-        current.append(Node(name, m.group(1).split(":")[0] if m.group(1) else None, operands,
-                            tensor_types(operands_txt), tensor_types(results_txt.split(" loc(")[0]),
-                            inputs=[v in inputs for v in operands]))
-    for nodes in functions:
+def step_functions(module: TTNNModule) -> list[list[Node]]:
+    """The ops of each function of the step's program (const-eval functions and bookkeeping left
+    out), with producers and consumers linked."""
+    # the arguments marked ``input`` where the weights are marked ``parameter``: activations, never
+    # weight preparation (unmarked, tt-mlir calls every argument an input)
+    marked = "parameter" in module.argument_roles.get("main", {}).values()
+    ops = [op for op in module.op_list if not op.const_eval and op.name not in BOOKKEEPING_OPS]
+    functions = []
+    for function, group in groupby(ops, key=lambda op: op.function):
+        roles = module.argument_roles.get(function, {})
+        inputs = {f"%arg{i}" for i, r in roles.items() if r == "input"} if marked else set()
+        nodes = [Node(op, [v in inputs for v in op.values]) for op in group]
         link(nodes)
+        functions.append(nodes)
     return functions
 
 
 def link(nodes: list[Node]) -> None:
     """Fill each node's producers (None for a function argument or an op left out) and consumers."""
-    by_value = {n.result: n for n in nodes if n.result}
+    by_value = {n.op.result: n for n in nodes if n.op.result}
     for n in nodes:
-        n.producers = [by_value.get(v.split("#")[0]) for v in n.operands]
+        n.producers = [by_value.get(v) for v in n.operands]
         for p in n.producers:
             if p is not None:
                 p.consumers.append(n)
@@ -301,26 +281,19 @@ def _from_norm(n: Node) -> bool:
     return n is not None and n.name in NORM_OPS
 
 
-def step_causes(text: str) -> Counter:
+def step_causes(module: TTNNModule) -> Counter:
     """``Counter`` of causes over every op of the step's program of a TTNN module (const-eval
     functions and bookkeeping left out)."""
     out: Counter = Counter()
-    for nodes in parse_functions(text):
+    for nodes in step_functions(module):
         classify(nodes)
         out.update(n.cause for n in nodes)
     return out
 
 
-def per_block_causes(shallow_text: str, deep_text: str, shallow_blocks: int, deep_blocks: int) -> dict[str, float]:
+def per_block_causes(shallow: TTNNModule, deep: TTNNModule, shallow_blocks: int, deep_blocks: int) -> dict[str, float]:
     """What one block adds to the step's program, by cause: the difference of two depths' counts,
     in the order of :data:`CAUSES`."""
-    a, b = step_causes(shallow_text), step_causes(deep_text)
+    a, b = step_causes(shallow), step_causes(deep)
     n = deep_blocks - shallow_blocks
     return {c: round((b[c] - a[c]) / n, 3) for c in CAUSES}
-
-
-def causes_of_ops(lines: Iterable[str]) -> list[str]:
-    """The cause of each op line of one function's text, in order (for reading one block's ops)."""
-    nodes = parse_functions("func.func @main() {\n" + "\n".join(lines) + "\n}")[0]
-    classify(nodes)
-    return [n.cause or "other" for n in nodes]

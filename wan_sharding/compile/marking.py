@@ -39,6 +39,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .ttnn_ir import argument_roles_by_function
+
 PARAMETER, CONSTANT, INPUT = "parameter", "constant", "input"
 ROLES = (PARAMETER, CONSTANT, INPUT)
 ARGUMENT_TYPE_ATTR = "ttcore.argument_type"  # the role, on the marker and then on the argument
@@ -235,26 +237,6 @@ class XlaArgumentMarks(torch.overrides.TorchFunctionMode):
 
 
 # -------------------------------------------------------------------------- what tt-mlir received
-
-_ARG_TYPE = re.compile(r"ttcore\.argument_type = #ttcore\.argument_type<(\w+)>")
-_FUNC = re.compile(r"func\.func (?:\w+ )?@([\w.$-]+)\((.*?)\)\s*(?:->|attributes|\{)", re.S)
-
-
-def argument_roles_by_function(text: str) -> dict[str, dict[int, str | None]]:
-    """``{function: {argument index: role}}`` for every ``func.func`` of a module after tt-xla's
-    frontend pass (the plugin's ``irs/shlo_frontend_*.mlir``; tt-mlir's TTIR and TTNN keep the
-    attribute, and give the functions they make out of ``@main`` roles too); ``None`` for an
-    argument without one."""
-    out: dict[str, dict[int, str | None]] = {}
-    for m in _FUNC.finditer(text):
-        pieces = re.split(r"%arg(\d+):", m.group(2))[1:]  # [index, its type and attributes, ...]
-        roles: dict[int, str | None] = {}
-        for index, rest in zip(pieces[::2], pieces[1::2]):
-            hit = _ARG_TYPE.search(rest)
-            roles[int(index)] = hit.group(1) if hit else None
-        out[m.group(1)] = roles
-    return out
-
 
 def argument_types(text: str) -> dict[str, int]:
     """``{role: count}`` over the entry function ``@main``'s arguments

@@ -106,8 +106,7 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
     budget = ir_bill.design_bytes(config_for(req.variant, req.size), mesh, main.padded_tokens or main.tokens,
                                   req.batch, req.dtype)
     problems = ir_bill.bill_problems(bill, mesh, budget, prompt_kv="prompt_kv" in req.patches)
-    causes = per_block_causes(Path(base.ttnn_path).read_text(), Path(main.ttnn_path).read_text(),
-                              base.request.num_blocks, req.num_blocks)
+    causes = per_block_causes(shallow, module, base.request.num_blocks, req.num_blocks)
     report.update(
         design_bytes=budget.to_json(),
         per_block=bill.counts(), per_block_totals=bill.totals(),

@@ -62,6 +62,11 @@ _BOOL_ATTR = re.compile(r"\b(\w+) = (true|false)\b")
 _REDUCE = re.compile(r"reduce_type<(\w+)>")
 _MESH_SHAPE = re.compile(r"mesh_shape (\d+(?:x\d+)*)>")
 _FUNC = re.compile(r"func\.func (?:\w+ )?@([\w.$-]+)")
+_SIGNATURE = re.compile(r"func\.func (?:\w+ )?@([\w.$-]+)\((.*?)\)\s*(?:->|attributes|\{)", re.S)
+_ARG_TYPE = re.compile(r"ttcore\.argument_type = #ttcore\.argument_type<(\w+)>")
+_RESULT = re.compile(r"^\s*(%[\w]+)(?::\d+)?\s*=")
+_OPERANDS = re.compile(r'"ttnn\.\w+"\(([^)]*)\)')
+_VALUE = re.compile(r"%\w+")
 # Attributes that name the tensor dim a collective gathers, scatters or partitions.
 _DIM_ATTRS = ("all_gather_dim", "scatter_dim", "dim", "split_dim")
 
@@ -131,6 +136,8 @@ class Op:
     const_eval: bool = False
     typed: bool = True
     function: str = ""  # the enclosing func.func's name
+    result: str | None = None  # the SSA value it defines (``%12``), within ``function``
+    values: tuple[str, ...] = ()  # the SSA values it reads, in operand order (``%arg3`` for an argument)
 
     @property
     def transpose_a(self) -> bool:
@@ -155,8 +162,10 @@ def _typed_op(name: str, line: str, lineno: int, const_eval: bool = False, funct
     operands_txt, arrow, results_txt = tail.partition(") -> ")
     attrs = {k: int(v) for k, v in _INT_ATTR.findall(head)}
     flags = {k: v == "true" for k, v in _BOOL_ATTR.findall(head)}
+    result, operands = _RESULT.match(line), _OPERANDS.search(line)
     return Op(name, tensor_types(operands_txt), tensor_types(results_txt.split(" loc(")[0]), attrs, flags,
-              lineno, const_eval, bool(arrow), function)
+              lineno, const_eval, bool(arrow), function, result.group(1) if result else None,
+              tuple(_VALUE.findall(operands.group(1))) if operands else ())
 
 
 def ttir_attention(text: str) -> list[Op]:
@@ -230,6 +239,8 @@ class TTNNModule:
     mesh_shape: tuple[int, ...] | None = None
     path: str | None = None
     op_list: list[Op] = field(default_factory=list, repr=False)
+    # {function: {argument index: role}} (:func:`argument_roles_by_function`)
+    argument_roles: dict[str, dict[int, str | None]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def parse(cls, text: str, path: str | None = None) -> "TTNNModule":
@@ -263,7 +274,7 @@ class TTNNModule:
                 previous = op.name
         if not ops:
             raise IRError(f"no \"ttnn.<op>\"( in {path or 'the text'}: not a TTNN module")
-        return cls(ops, colls, mesh_shape, path, op_list)
+        return cls(ops, colls, mesh_shape, path, op_list, argument_roles_by_function(text))
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TTNNModule":
@@ -287,6 +298,22 @@ class TTNNModule:
 
     def collective_counts(self) -> dict[str, int]:
         return dict(Counter(c.kind for c in self.collectives))
+
+
+def argument_roles_by_function(text: str) -> dict[str, dict[int, str | None]]:
+    """``{function: {argument index: role}}`` for every ``func.func`` of a module after tt-xla's
+    frontend pass (the plugin's ``irs/shlo_frontend_*.mlir``; tt-mlir's TTIR and TTNN keep the
+    attribute, and give the functions they make out of ``@main`` roles too); ``None`` for an
+    argument without one."""
+    out: dict[str, dict[int, str | None]] = {}
+    for m in _SIGNATURE.finditer(text):
+        pieces = re.split(r"%arg(\d+):", m.group(2))[1:]  # [index, its type and attributes, ...]
+        roles: dict[int, str | None] = {}
+        for index, rest in zip(pieces[::2], pieces[1::2]):
+            hit = _ARG_TYPE.search(rest)
+            roles[int(index)] = hit.group(1) if hit else None
+        out[m.group(1)] = roles
+    return out
 
 
 def select_ops(hist: Mapping[str, int], names: Iterable[str] = REPORTED_OPS) -> dict[str, int]:
