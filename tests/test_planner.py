@@ -166,6 +166,43 @@ def test_blackhole_2x4_can_use_less_tp_without_fsdp(analytic_2x4: dict[str, Plan
     assert bh_rec.memory.total <= hardware.chip("blackhole").usable_dram_bytes
 
 
+def test_cfg_splits_are_real_plans_ranked_per_step() -> None:
+    """A CFG split is a real plan with cfg axes on the whole mesh (its group plan is the half-mesh
+    plan that was costed), compiled as ``wan-sharding compile`` compiles it (one program on a 2-D
+    mesh, per group on a 3-D one), ranked per denoising step with the whole-mesh plans (those run 2
+    forwards per step). On 12 GB Wormhole chips none fits: each half holds both experts whole at
+    its TP width."""
+    from wan_sharding.compile.cfg import ONE_PROGRAM, PER_GROUP, cfg_compile, group_plan
+
+    wh = plan_sharding("2x4", "wormhole_b0", "t2v-a14b", "480p", compile=False, cfg_split=True)
+    splits = [c for c in wh.candidates if c.cfg_axis and not c.duplicate_of]
+    assert splits and all(c.reason for c in splits)
+    tp4 = next(c for c in splits if c.cfg_axis == "rows" and c.plan.tp_axes == ("cols",) and c.plan.layout == "replicated")
+    assert "each half holds every expert whole at TP 4" in tp4.reason and tp4.memory.weights > 12 * GB
+    assert "CFG splits: all" in format_report(wh)
+
+    bh = plan_sharding("2x4", "blackhole", "t2v-a14b", "480p", compile=False, cfg_split=True)
+    legal = [c for c in bh.ranked if c.cfg_axis and c.legal]
+    assert {c.cfg_axis for c in legal} == {"rows", "cols"}
+    one = next(c for c in legal if c.cfg_axis == "rows" and c.plan.tp_axes == ("cols",) and not c.plan.sp_axes
+               and c.plan.layout == "replicated")
+    assert one.cfg_plan == ShardingPlan((2, 4), N, (), ("cols",), False, "replicated", "none", ("rows",))
+    assert one.cfg_plan.mesh().group_devices == 4 and cfg_compile(one.cfg_plan).how == ONE_PROGRAM
+    for c in legal:
+        assert group_plan(c.cfg_plan) == c.plan and c.cfg_plan.mesh().num_devices == 8
+        if c.cfg_axis == "cols":  # 4 -> cfg 2 x 2: a 3-D mesh, compiled per group
+            assert c.cfg_plan.mesh_shape == (2, 2, 2) and cfg_compile(c.cfg_plan).how == PER_GROUP
+    data = bh.to_json()
+    for c in data["candidates"]:
+        if c["estimated_seconds_per_forward"] is not None:
+            assert c["estimated_seconds_per_step"] == pytest.approx(2 * c["estimated_seconds_per_forward"], abs=1e-3)
+            assert c["forwards_per_step"] == (1 if c["cfg_split"] else 2)
+    row = next(c for c in data["candidates"] if c["name"] == one.name)
+    assert ShardingPlan.from_dict(row["cfg_split"]["plan"]) == one.cfg_plan
+    assert row["cfg_split"]["compiled_as"] == ONE_PROGRAM
+    assert "s/step" in format_report(bh)
+
+
 # ------------------------------------------------------------------------------- stage 2
 
 

@@ -1,5 +1,5 @@
 """Image to video on ``wan-sharding serve``, for real: an I2V-A14B server process on 127.0.0.1 (the tiny
-pipeline, 2x4, 5 frames of 32x32, 2 steps), driven over HTTP with tt-media-server's I2V routes
+pipeline, 2x4 cut into two 1x4 guidance groups with `--cfg 2`, 5 frames of 32x32, 2 steps), driven over HTTP with tt-media-server's I2V routes
 (``POST /v1/videos/generations/i2v`` with ``image_prompts``, and ``.../i2v/upload``), its store a
 real SQLite file. The last test stops it with an I2V job queued and starts another server on the
 same store, which runs that job from the image kept in the store. TI2V-5B's image to video runs in
@@ -22,7 +22,9 @@ from test_serve import CLI, G, Server, _env, mp4_frames, serving
 from wan_sharding.serve import Client
 
 FIVE = ["--steps", "2", "--frames", "5", "--height", "32", "--width", "32"]
-I2V = ["--variant", "i2v-a14b", "--queue", "2"]
+# CFG parallel as well (--cfg 2: 2x4 as two 1x4 groups, a job's cond and uncond calls as one program),
+# so that serving both ways costs no second server
+I2V = ["--variant", "i2v-a14b", "--queue", "2", "--cfg", "2"]
 
 
 def png(color: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> bytes:
@@ -70,6 +72,7 @@ def first_only(server) -> dict:
 
 
 def test_an_i2v_job_conditions_on_the_first_and_the_last_frame(server, store, first_only, tmp_path):
+    assert [w["mesh"] for w in server.http.get("/health").json()["workers"]] == ["2x4-cfg2"]
     job = first_only["job"]
     frames = mp4_frames(first_only["video"], tmp_path)
     assert len(frames) == 5 and frames[0].shape == (32, 32, 3) and job["video_shape"] == [5, 32, 32, 3]

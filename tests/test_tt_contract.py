@@ -100,6 +100,33 @@ def test_tt_backend_sends_the_double_constraint_and_the_exit_gather(tt_recorder,
     ]
 
 
+def test_tt_backend_on_a_cfg_mesh_sends_the_pair_split_over_cfg(tt_recorder, tt_stand_ins):
+    """CFG parallel on 2x4 (two 1x4 groups, TP only): every constraint of the pair's batch names the
+    cfg axis on its batch dim (the rope tables, batch 1, stay whole); the pair equals the two
+    forwards. A 3-D cfg mesh is refused in one line before the runtime starts (tt-mlir: 2-D at most)."""
+    from wan_sharding import BackendError
+    from wan_sharding.mesh import with_cfg
+    from wan_sharding.models import guidance_pair
+
+    mesh = with_cfg("2x4")
+    backend = TTBackend(mesh, native_mesh=SimpleNamespace(mesh_shape=(2, 4), axis_names=("cfg", "tp")))
+    dit = build_dit("t2v-a14b")
+    cond, uncond, both = guidance_pair(dit_inputs("t2v-a14b", LatentShape(3, 10, 14)))
+    with torch.no_grad():
+        ref = torch.cat([dit(**cond, return_dict=False)[0], dit(**uncond, return_dict=False)[0]])
+    handle = apply_dit_sp_activation_sharding(dit, mesh, backend=backend)
+    with torch.no_grad():
+        out = dit(**both, return_dict=False)[0]
+    handle.remove()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    batch = [(shape, spec) for shape, spec, _ in tt_recorder if shape[0] == 2]
+    assert batch and all(spec[0] == "cfg" and "sp" not in spec for _, spec in batch), tt_recorder
+    assert all(spec[0] is None for shape, spec, _ in tt_recorder if shape[0] == 1)
+    with pytest.raises(BackendError, match="1-D and 2-D meshes only") as e:
+        TTBackend(with_cfg("8x4"))
+    assert "\n" not in str(e.value)
+
+
 def test_tt_backend_without_the_plugin_says_where_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "tt_torch", None)
     from wan_sharding import BackendError

@@ -9,7 +9,8 @@ The public API, all of it acting on one model instance and undone by ``remove()`
 - :func:`shard_dit_specs` and :func:`apply_dit_sp_activation_sharding`: the two steps of the
   design by themselves (TP specs as data; the SP hooks and padding).
 - :func:`get_backend`: the ``xla`` / ``jax`` / ``tt`` stacks; :class:`MeshSpec`,
-  :func:`mesh_from_preset`: meshes; :class:`ShardingPlan`: a planner's plan, accepted wherever a
+  :func:`mesh_from_preset`: meshes, :func:`with_cfg`: a mesh cut into two guidance groups (CFG
+  parallel); :class:`ShardingPlan`: a planner's plan, accepted wherever a
   mesh is.
 - :func:`apply_patches`: opt-in exact model rewrites (``shard_dit``'s ``patches=`` applies them).
 """
@@ -17,7 +18,7 @@ The public API, all of it acting on one model instance and undone by ``remove()`
 from .activation import SPHandle, apply_dit_sp_activation_sharding
 from .backends import BACKENDS, Backend, BackendError, get_backend
 from .compose import DitHandle, shard_dit
-from .mesh import PRESETS, MeshError, MeshSpec, mesh_for_device_count, mesh_from_preset
+from .mesh import PRESETS, MeshError, MeshSpec, mesh_for_device_count, mesh_from_preset, with_cfg
 from .patches import PatchError, apply_patches
 from .pipeline import PipelineHandle, diffusers_without_torch_xla, shard_pipeline
 from .plan import WAN_SP_POINTS, WAN_TP_TABLE, PlanError, ShardingPlan
@@ -28,4 +29,5 @@ __all__ = [
     "PipelineHandle", "PlanError", "SPHandle", "ShardSpecs", "ShardingError", "ShardingPlan", "WAN_SP_POINTS",
     "WAN_TP_TABLE", "apply_dit_sp_activation_sharding", "apply_patches", "diffusers_without_torch_xla",
     "get_backend", "mesh_for_device_count", "mesh_from_preset", "shard_dit", "shard_dit_specs", "shard_pipeline",
+    "with_cfg",
 ]

@@ -11,6 +11,9 @@ Data flow (``WAN_SP_POINTS``)::
     rope tables (1, L, 1, d): the same replicated -> pad -> L-on-SP        # rope hook
     blocks ... (B, L_pad/SP, D) per device
     proj_out -> constrain(replicated) -> slice back to L                   # proj_out hook
+
+On a cfg mesh every one of these constraints also puts a batch of (cond, uncond) halves on the cfg
+axis (``Backend.activation_spec``): each group runs one branch, and the SP gathers stay inside it.
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def apply_dit_sp_activation_sharding(
 
     state = ForwardState()
     handle = SPHandle(dit, mesh_spec, be, padding, [], state)
-    sp_axis = mesh_spec.sp_axis
+    sp_axis, cfg_axis = mesh_spec.sp_axis, mesh_spec.cfg_axis
     multiple = mesh_spec.seq_multiple if padding != "none" else 1
 
     def shard_tokens(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -193,7 +196,9 @@ def apply_dit_sp_activation_sharding(
         # Anchored, the split lands after the reshape as one clean scatter. Padding sits between
         # the two, on the replicated tensor.
         if sp_axis is None:  # TP-only plan: tile padding, no SP constraint
-            return _pad_dim(x, dim, padded_length(x.shape[dim], multiple))
+            x = _pad_dim(x, dim, padded_length(x.shape[dim], multiple))
+            # TP-only groups of a cfg mesh: the pair's batch pinned on cfg where the blocks start
+            return be.constrain(x, (None,) * x.ndim) if cfg_axis is not None else x
         if anchor:
             x = be.constrain(x, (None,) * x.ndim)
         x = _pad_dim(x, dim, padded_length(x.shape[dim], multiple))
@@ -234,7 +239,7 @@ def apply_dit_sp_activation_sharding(
             handle.points.append(f"{point.module}.{point.arg}: {split}")
         elif isinstance(point, SPGather):  # exit: back to replicated, then drop the padding
             def exit_hook(mod, args, out, dim=point.dim):
-                if sp_axis is not None:
+                if sp_axis is not None or cfg_axis is not None:  # whole on each group (cfg: its branch)
                     out = be.constrain(out, (None,) * out.ndim)
                 return out.narrow(dim, 0, state.valid_len) if state.padded else out
 

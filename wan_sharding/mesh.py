@@ -21,6 +21,11 @@ TILE = 32
 # Role -> position of the mesh axis that carries it. SP on the first axis and TP on the
 # second, as the reference recipe lays out its ("batch", "model") mesh.
 DEFAULT_ROLES: Mapping[str, int] = {"sp": 0, "tp": 1}
+# Every role a mesh axis can carry. ``cfg``: classifier-free guidance parallel, the two branches of
+# a denoising step (cond, uncond) on two groups of devices, the batch dim split over it.
+ROLES: tuple[str, ...] = ("sp", "tp", "cfg")
+# CFG has exactly two branches, so a cfg role spans exactly two groups.
+CFG_BRANCHES = 2
 DEFAULT_AXIS_NAMES: tuple[str, str] = ("sp", "tp")
 # A planner decides the roles itself, so it names the physical axes by position instead.
 PHYSICAL_AXIS_NAMES: tuple[str, str] = ("rows", "cols")
@@ -95,8 +100,8 @@ class MeshSpec:
         }
         used: list[str] = []
         for role, axis in list(roles.items()):
-            if role not in DEFAULT_ROLES:
-                raise MeshError(f"unknown role {role!r}; known roles: {sorted(DEFAULT_ROLES)}")
+            if role not in ROLES:
+                raise MeshError(f"unknown role {role!r}; known roles: {', '.join(ROLES)}")
             if isinstance(axis, (list, tuple)):
                 axis = tuple(axis) if len(axis) != 1 else axis[0]
                 roles[role] = axis
@@ -110,6 +115,10 @@ class MeshSpec:
                     raise MeshError(f"mesh axis {a!r} is given two roles in {roles}")
                 used.append(a)
         object.__setattr__(self, "roles", roles)
+        cfg = math.prod(shape[names.index(a)] for a in axes_of(roles.get("cfg")))
+        if roles.get("cfg") is not None and cfg != CFG_BRANCHES:
+            raise MeshError(f"the cfg role spans {cfg} devices; classifier-free guidance has {CFG_BRANCHES} branches, "
+                            f"so its axis must have {CFG_BRANCHES}")
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -132,8 +141,32 @@ class MeshSpec:
         return self.roles.get("tp")
 
     @property
+    def cfg_axis(self) -> str | tuple[str, ...] | None:
+        """The axis the two guidance branches are split over (``None``: no CFG parallel)."""
+        return self.roles.get("cfg")
+
+    @property
     def sp(self) -> int:
         return self.axis_size(self.sp_axis)
+
+    @property
+    def cfg(self) -> int:
+        """Guidance branches run side by side: 2 on a cfg mesh, else 1."""
+        return self.axis_size(self.cfg_axis)
+
+    @property
+    def group_devices(self) -> int:
+        """Devices that run one guidance branch (the whole mesh without CFG parallel)."""
+        return self.num_devices // self.cfg
+
+    def batch_spec(self, shape: Sequence[int]) -> tuple:
+        """The spec of an activation or input whose leading dim is the batch: on a cfg mesh a batch
+        of cond and uncond halves (``2k`` rows) is split over the cfg axis, anything else (a batch of
+        one: a step without guidance, a rope table) stays whole on every group."""
+        spec: list = [None] * len(shape)
+        if self.cfg_axis is not None and len(shape) > 0 and shape[0] % self.cfg == 0:
+            spec[0] = self.cfg_axis
+        return tuple(spec)
 
     @property
     def tp(self) -> int:
@@ -150,12 +183,64 @@ class MeshSpec:
 
     @property
     def name(self) -> str:
-        """The preset's name, else the shape (``"2x4"``)."""
-        return self.preset or "x".join(str(s) for s in self.shape)
+        """The preset's name, else the shape (``"2x4"``); ``-cfg2`` after it on a cfg mesh."""
+        shape = list(self.shape)
+        cfg = self.cfg_axis
+        if self.preset is None and cfg == "cfg":  # cut by with_cfg: the grid it came from, cfg x SP as one axis
+            i = self.axis_names.index(cfg)
+            if i + 1 < len(shape) and self.axis_names[i + 1] == self.sp_axis:
+                shape[i:i + 2] = [shape[i] * shape[i + 1]]
+        base = self.preset or "x".join(str(s) for s in shape)
+        return f"{base}-cfg{self.cfg}" if cfg is not None else base
 
     def __str__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
-        return f"MeshSpec({self.name}: {axes}; sp={self.sp_axis}, tp={self.tp_axis})"
+        cfg = f", cfg={self.cfg_axis}" if self.cfg_axis is not None else ""
+        return f"MeshSpec({self.name}: {axes}; sp={self.sp_axis}, tp={self.tp_axis}{cfg})"
+
+
+def with_cfg(mesh: "MeshSpec | str", cfg: int = CFG_BRANCHES) -> MeshSpec:
+    """``mesh`` with its SP axis cut into ``cfg`` groups, one per guidance branch (MeshError, one
+    line, when it cannot be).
+
+    The SP axis is the one cut: TP stays whole inside each group, so each group holds the whole
+    expert at the TP width it had. An SP axis of 2 becomes the cfg axis (2x4 -> 2 groups of 1x4,
+    TP 4 each, no SP); a longer one becomes two axes, cfg outside SP (8x4 -> cfg 2 x SP 4 x TP 4:
+    rows 0-3 one branch, rows 4-7 the other; 4x16-tt-metal -> each Galaxy one branch). Device ids
+    keep their row-major order, so a group is a contiguous block of the original grid.
+    """
+    spec = mesh_from_preset(mesh) if isinstance(mesh, str) else mesh
+    if cfg == 1:
+        return spec
+    if cfg != CFG_BRANCHES:
+        raise MeshError(f"--cfg {cfg}: classifier-free guidance has {CFG_BRANCHES} branches (cond, uncond); "
+                        f"use --cfg {CFG_BRANCHES}, or 1 for none")
+    if spec.cfg_axis is not None:
+        raise MeshError(f"mesh {spec.name} already splits the guidance branches over {spec.cfg_axis!r}")
+    sp = spec.sp_axis
+    if sp is None or spec.sp == 1:
+        raise MeshError(f"mesh {spec.name} has no SP axis to cut into {cfg} guidance groups (its devices all "
+                        f"carry TP {spec.tp}); use a mesh with an even SP axis such as 2x4 or 8x4")
+    if isinstance(sp, tuple):
+        raise MeshError(f"mesh {spec.name} spans SP over several axes {sp}; give a plan with a cfg axis instead")
+    size = spec.axis_size(sp)
+    if size % cfg:
+        raise MeshError(f"mesh {spec.name}: its SP axis {sp!r} has {size} devices, an odd count that does not cut "
+                        f"into {cfg} guidance groups; use a mesh whose SP axis is even")
+    if "cfg" in spec.axis_names:
+        raise MeshError(f"mesh {spec.name} already has an axis named 'cfg'; rename it")
+    pos = spec.axis_names.index(sp)
+    names = list(spec.axis_names)
+    roles = dict(spec.roles)
+    if size == cfg:
+        names[pos] = "cfg"
+        roles.update(sp=None, cfg="cfg")
+        shape = list(spec.shape)
+    else:
+        names[pos:pos + 1] = ["cfg", sp]
+        roles["cfg"] = "cfg"
+        shape = [*spec.shape[:pos], cfg, size // cfg, *spec.shape[pos + 1:]]
+    return MeshSpec(tuple(shape), tuple(names), roles, preset=spec.preset)
 
 
 def padded_length(n: int, multiple: int) -> int:
@@ -227,10 +312,12 @@ def mesh_for_device_count(n: int) -> MeshSpec:
     return mesh_from_preset(BY_DEVICE_COUNT[n])
 
 
-def _roles_by_name(names: tuple[str, ...]) -> dict[str, str] | None:
-    """Roles of a backend mesh whose axes are named after them (``"sp"``, ``"tp"``, in any order);
-    ``None`` (roles by position) for any other names."""
-    return {"sp": "sp", "tp": "tp"} if {"sp", "tp"} <= set(names) else None
+def _roles_by_name(names: tuple[str, ...]) -> dict[str, str | None] | None:
+    """Roles of a backend mesh whose axes are named after them (``"sp"``, ``"tp"``, ``"cfg"``, in
+    any order); ``None`` (roles by position) for any other names."""
+    if "tp" not in names or not ({"sp", "cfg"} & set(names)):
+        return None
+    return {role: (role if role in names else None) for role in ROLES}
 
 
 def as_mesh_spec(mesh: Any) -> MeshSpec:

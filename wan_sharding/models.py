@@ -124,3 +124,14 @@ def dit_inputs(variant: str, latent: LatentShape, size: str = "tiny", batch: int
         t = torch.randint(0, 1000, (batch,), generator=g).float()
     text = torch.randn(batch, PROMPT_TOKENS[size], cfg["text_dim"], generator=g)
     return {"hidden_states": x.to(dtype), "timestep": t, "encoder_hidden_states": text.to(dtype)}
+
+
+def guidance_pair(inputs: dict[str, torch.Tensor], seed: int = 2) -> tuple[dict, dict, dict]:
+    """A denoising step's two expert calls as the Wan pipelines make them, from ``inputs``: the
+    cond call (``inputs``), the uncond call (the same latents and timestep, a random negative
+    prompt) and the two as one batch, cond rows first, as CFG parallel runs them."""
+    text = inputs["encoder_hidden_states"]
+    g = torch.Generator().manual_seed(seed)
+    uncond = {**inputs, "encoder_hidden_states": torch.randn(text.shape, generator=g).to(text.dtype)}
+    both = {k: torch.cat([inputs[k], uncond[k]]) for k in inputs}
+    return inputs, uncond, both

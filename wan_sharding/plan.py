@@ -113,6 +113,10 @@ SELF_ATTENTION = "blocks.*.attn1"
 LAYOUTS = ("replicated", "sharded")
 
 
+# Plan fields a plan file may leave out (they came later; leaving one out means its default).
+OPTIONAL_FIELDS = ("cfg_axes",)
+
+
 class PlanError(ValueError):
     """A sharding plan with a field of the wrong type or value (one line naming the field)."""
 
@@ -130,6 +134,9 @@ class ShardingPlan:
       (B, L/sp, D) per device, D whole, between blocks; ``docs/design.md``) or ``"sharded"`` D
       (tt-metal's: kept TP-sharded between blocks).
     - ``padding``: how the token dim is padded and attention kept exact.
+    - ``cfg_axes``: the mesh axes the two guidance branches are split over (CFG parallel, size 2 in
+      all; empty: none). Weights are whole across them and split within each group as the plan says;
+      a forward's batch of (cond, uncond) halves runs as one program, one half per group.
 
     ``shard_dit_specs(dit, plan.mesh(), fsdp=plan.fsdp)`` and ``apply_dit_sp_activation_sharding(dit,
     plan.mesh(), plan=plan)`` apply it; ``save``/``load`` write it as JSON.
@@ -142,11 +149,12 @@ class ShardingPlan:
     fsdp: bool = False
     layout: str = "replicated"
     padding: str = DEFAULT_PADDING
+    cfg_axes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Every field checked for type and value: a plan comes from JSON files people edit, where
         # "false" is a truthy string and a misspelt padding would otherwise load.
-        for name in ("mesh_shape", "axis_names", "sp_axes", "tp_axes"):
+        for name in ("mesh_shape", "axis_names", "sp_axes", "tp_axes", "cfg_axes"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
                 raise PlanError(f"plan field {name!r} must be a list, got {value!r}"
@@ -161,7 +169,7 @@ class ShardingPlan:
         if len(self.axis_names) != len(self.mesh_shape):
             raise PlanError(f"plan has {len(self.mesh_shape)} mesh sizes {list(self.mesh_shape)} but "
                             f"{len(self.axis_names)} axis names {list(self.axis_names)}; give one name per size")
-        for name in ("sp_axes", "tp_axes"):
+        for name in ("sp_axes", "tp_axes", "cfg_axes"):
             axes = getattr(self, name)
             unknown = [a for a in axes if a not in self.axis_names]
             if unknown:
@@ -169,9 +177,16 @@ class ShardingPlan:
                                 f"use names from axis_names {list(self.axis_names)}")
             if len(set(axes)) != len(axes):
                 raise PlanError(f"plan field {name!r} repeats an axis: {list(axes)}")
-        shared = sorted(set(self.sp_axes) & set(self.tp_axes))
-        if shared:
-            raise PlanError(f"plan gives axis {shared} both SP and TP; each mesh axis carries one role")
+        for a, b in (("sp", "tp"), ("cfg", "sp"), ("cfg", "tp")):
+            shared = sorted(set(getattr(self, f"{a}_axes")) & set(getattr(self, f"{b}_axes")))
+            if shared:
+                raise PlanError(f"plan gives axis {shared} both {a.upper()} and {b.upper()}; each mesh axis carries one role")
+        cfg = 1
+        for a in self.cfg_axes:
+            cfg *= self.mesh_shape[self.axis_names.index(a)]
+        if self.cfg_axes and cfg != 2:
+            raise PlanError(f"plan field 'cfg_axes' {list(self.cfg_axes)} spans {cfg} devices; classifier-free guidance "
+                            "has 2 branches, so the cfg axes must span 2")
         if type(self.fsdp) is not bool:
             raise PlanError(f"plan field 'fsdp' must be true or false (a JSON boolean), got {self.fsdp!r}")
         if self.layout not in LAYOUTS:
@@ -184,13 +199,24 @@ class ShardingPlan:
         from .mesh import MeshSpec
 
         role = lambda axes: None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))  # noqa: E731
-        return MeshSpec(self.mesh_shape, self.axis_names, {"sp": role(self.sp_axes), "tp": role(self.tp_axes)})
+        return MeshSpec(self.mesh_shape, self.axis_names,
+                        {"sp": role(self.sp_axes), "tp": role(self.tp_axes), "cfg": role(self.cfg_axes)})
+
+    @classmethod
+    def from_mesh(cls, mesh, padding: str = DEFAULT_PADDING, fsdp: bool = False, layout: str = "replicated") -> "ShardingPlan":
+        """The plan of a :class:`~wan_sharding.mesh.MeshSpec` (a preset's, or one
+        :func:`~wan_sharding.mesh.with_cfg` cut into guidance groups) with its roles as they are."""
+        from .mesh import axes_of
+
+        return cls(mesh.shape, mesh.axis_names, axes_of(mesh.sp_axis), axes_of(mesh.tp_axis), fsdp, layout, padding,
+                   axes_of(mesh.cfg_axis))
 
     @property
     def name(self) -> str:
         m = self.mesh()
         axes = lambda a: "+".join(a) or "-"  # noqa: E731
-        return (f"{m.name} sp{m.sp}[{axes(self.sp_axes)}] tp{m.tp}[{axes(self.tp_axes)}]"
+        cfg = f" cfg{m.cfg}[{axes(self.cfg_axes)}]" if self.cfg_axes else ""
+        return (f"{m.name}{cfg} sp{m.sp}[{axes(self.sp_axes)}] tp{m.tp}[{axes(self.tp_axes)}]"
                 f"{' fsdp' if self.fsdp else ''} {self.layout}-D {self.padding}")
 
     def to_dict(self) -> dict:
@@ -205,12 +231,13 @@ class ShardingPlan:
                             f"got {type(data).__name__}")
         fields = list(cls.__dataclass_fields__)
         unknown = [k for k in data if k not in fields]
-        missing = [k for k in fields if k not in data]
+        # cfg_axes came later: a plan file written before it has none, and means none
+        missing = [k for k in fields if k not in data and k not in OPTIONAL_FIELDS]
         if unknown or missing:
             raise PlanError("plan " + "; ".join(
                 ([f"has unknown field(s) {unknown}"] if unknown else [])
                 + ([f"lacks field(s) {missing}"] if missing else [])) + f"; a plan has exactly {fields}")
-        return cls(**{k: data[k] for k in fields})
+        return cls(**{k: data[k] for k in fields if k in data})
 
     def save(self, path) -> None:
         import json

@@ -65,6 +65,16 @@ class Backend(abc.ABC):
         """A sharding constraint on an activation inside the traced forward; returns the tensor
         to use downstream (a new value, so two constraints in a row stay two)."""
 
+    def activation_spec(self, tensor: torch.Tensor, spec: Spec) -> Spec:
+        """``spec`` as a constraint on this mesh: on a cfg mesh a leading batch of (cond, uncond)
+        halves also goes on the cfg axis (``MeshSpec.batch_spec``), so every constraint of the SP
+        hooks, the padding modes and the patches keeps the two branches apart without naming cfg;
+        elsewhere ``spec`` as it is. Only tensors of 3 dims or more lead with a batch: a weight
+        pinned by a constraint (an RMSNorm composite's 1-D weight) or a mask row has none."""
+        if self.mesh.cfg_axis is None or len(spec) < 3 or spec[0] is not None:
+            return spec
+        return (self.mesh.batch_spec(tensor.shape)[0], *spec[1:])
+
     def run_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> Any:
         """One forward of ``dit`` on the mesh; the output stays on the devices."""
         raise BackendError(f"the {self.name} backend cannot execute here")

@@ -109,7 +109,7 @@ class JaxBackend(Backend):
                 "the jax backend constrains activations only inside a torchax trace; run the model "
                 "through JaxBackend.run / jax_forward, not as a plain torch call"
             )
-        return torch_view(jax.lax.with_sharding_constraint(jax_view(tensor), self.sharding(spec)))
+        return torch_view(jax.lax.with_sharding_constraint(jax_view(tensor), self.sharding(self.activation_spec(tensor, spec))))
 
     def jax_forward(self, dit: torch.nn.Module, fused_sdpa: Any = None):
         """``f(state, args, kwargs) -> output`` as a JAX-traceable function of JAX values.
@@ -203,8 +203,11 @@ class JaxBackend(Backend):
         env = torchax.default_env()
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, torch.Tensor))
         tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        # One device_put for all inputs: a call per array costs host time at every forward.
-        placed = jax.device_put([env.t2j_copy(leaves[i]) for i in tensors], self.sharding(()))
+        # One device_put for all inputs: a call per array costs host time at every forward. Replicated,
+        # except a batch of (cond, uncond) halves on a cfg mesh: one half per group.
+        arrays = [env.t2j_copy(leaves[i]) for i in tensors]
+        shardings = [self.sharding(self.mesh.batch_spec(a.shape)) for a in arrays] if self.mesh.cfg_axis else self.sharding(())
+        placed = jax.device_put(arrays, shardings)
         for i, x in zip(tensors, placed):
             leaves[i] = x
         return jax.tree_util.tree_unflatten(tree, leaves)

@@ -192,6 +192,10 @@ class TTBackend(XlaBackend):
         super().__init__(mesh, native_mesh)
 
     def _make_mesh(self, mesh: MeshSpec) -> Any:
+        if len(mesh.shape) > 2:  # before the runtime starts: nothing to undo
+            raise BackendError(f"mesh {mesh.name} has {len(mesh.shape)} axes {mesh.axis_names}; tt-mlir takes 1-D and 2-D "
+                               "meshes only (a 3-D cfg x SP x TP mesh compiles per group: `wan-sharding compile`); on "
+                               "hardware use a cfg mesh whose groups are TP only (--mesh 2x4 --cfg 2) or --cfg 1")
         start_tt_runtime()
         return super()._make_mesh(mesh)
 
@@ -212,7 +216,7 @@ class TTBackend(XlaBackend):
 
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         # Returns a new value, so replicated-then-sharded stays two constraints in the graph.
-        return self._sharding.sharding_constraint_tensor(tensor, self.native_mesh, spec)
+        return self._sharding.sharding_constraint_tensor(tensor, self.native_mesh, self.activation_spec(tensor, spec))
 
     def pin_norms(self, dit: torch.nn.Module) -> NormPins | None:
         """Before a compile on a TP mesh: check that the graph sent will compile (BackendError,

@@ -103,6 +103,7 @@ class XlaBackend(Backend):
 
         # A custom "Sharding" node (not an in-place annotation of the producer), so a replicated
         # constraint followed by a sharded one stays two separate constraints in the HLO.
+        spec = self.activation_spec(tensor, spec)
         if torch.compiler.is_compiling():  # a program compiled through dynamo (cached_programs)
             if getattr(self, "_mesh_name", None) is None:
                 raise BackendError("the xla backend's SP hooks ran under a torch.compile it did not start; "
@@ -130,7 +131,14 @@ class XlaBackend(Backend):
     def _to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dev = self.device
         move = lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+        args, kwargs = tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+        if self.mesh.cfg_axis is not None:  # a batch of (cond, uncond) halves: one half per group
+            import torch_xla.distributed.spmd as xs
+
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor) and t.ndim and self.mesh.batch_spec(t.shape)[0] is not None:
+                    xs.mark_sharding(t, self.native_mesh, self.mesh.batch_spec(t.shape))
+        return args, kwargs
 
     def run_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One forward traced lazily; torch-xla compiles (or reuses, by graph hash) when the output
@@ -226,7 +234,7 @@ class XlaBackend(Backend):
         tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
         for t, spec in zip(tensors, torch_xla._XLAC._get_xla_sharding_specs(tensors)):
             if not spec:
-                xs.mark_sharding(t, self.native_mesh, (None,) * t.ndim)
+                xs.mark_sharding(t, self.native_mesh, self.mesh.batch_spec(t.shape))
 
     def release(self, dit: torch.nn.Module) -> None:
         """Forget ``dit``'s compiled cache programs (their graphs hold its device weights)."""

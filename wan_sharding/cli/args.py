@@ -87,6 +87,14 @@ def add_cache(ap: argparse.ArgumentParser) -> None:
                          "taylorseer, pab (Pyramid Attention Broadcast); default none")
 
 
+def add_cfg(ap: argparse.ArgumentParser) -> None:
+    """``--cfg 2``: classifier-free guidance parallel, the mesh's SP axis cut into two groups, one
+    per guidance branch (``wan_sharding.mesh.with_cfg``)."""
+    ap.add_argument("--cfg", type=int, default=1, choices=[1, 2],
+                    help="2: run each step's cond and uncond expert calls as one program, one branch per half of the "
+                         "mesh (its SP axis cut in two: 2x4 -> 2 x 1x4, 8x4 -> 2 x (SP 4, TP 4)); default 1")
+
+
 def add_plan(ap: argparse.ArgumentParser) -> None:
     """``--plan PLAN.json``: a ShardingPlan (``wan-sharding plan --write``) instead of a preset's roles."""
     from .validate import plan_file

@@ -12,15 +12,22 @@ from ..jobs.pcc import PCC_THRESHOLDS, pcc_thresholds
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
 from ..options import CPU_BACKENDS, EXECUTING_BACKENDS
-from .args import add_dtype, add_mesh, add_padding, add_patches, add_plan, preset, stack_missing
-from .validate import apply_plan, check_length, check_rope_length
+from .args import add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, preset, stack_missing
+from .validate import UsageError, apply_plan, cfg_plan, check_length, check_rope_length
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
+CFG_MESHES = ("2x4", "8x4")  # --cfg 2: the presets with an even SP axis to cut in two
 
 
 def _validate_check(args: argparse.Namespace) -> None:
     from ..models import config_for
 
+    if args.cfg == 2:
+        if args.plan is not None:
+            raise UsageError("--cfg 2 with --plan: the plan says whether it has a cfg axis; leave --cfg out")
+        # one plan per mesh, each cut into guidance groups (a mesh that cannot be: one line, now)
+        args.cfg_plans = {m: cfg_plan(m, 2, args.padding) for m in (args.meshes or CFG_MESHES)}
+        args.meshes = list(args.cfg_plans)
     apply_plan(args, list(DEFAULT_MESHES), "--meshes")
     for length in args.lengths:
         if length not in CASE_LATENTS:
@@ -39,7 +46,9 @@ def _check(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for backend in args.backends:
         for mesh in args.meshes:
-            for r in run_in_subprocess(backend, mesh, cases, plan=args.plan):
+            plan = getattr(args, "cfg_plans", {}).get(mesh, args.plan)
+            label = f"{mesh}-cfg2" if plan is not None and plan.cfg_axes else mesh
+            for r in run_in_subprocess(backend, label, cases, plan=plan):
                 failed |= not r["ok"]
                 rows.append(r)
                 if not args.json:
@@ -57,12 +66,12 @@ def _check(args: argparse.Namespace) -> int:
 
 def _print_row(r: dict[str, Any], header: bool) -> None:
     if header:
-        print(f"{'backend':7} {'mesh':5} {'variant':9} {'dtype':5} {'tokens':>11} {'padding':7} "
+        print(f"{'backend':7} {'mesh':9} {'variant':9} {'dtype':5} {'tokens':>11} {'padding':7} "
               f"{'PCC':>12} {'max|diff|':>9}  params col/row/norm/rep  SP points  collectives")
     p = r["params"]
     tokens = f"{r['tokens']}->{r['padded_tokens']}" if r["padded_tokens"] != r["tokens"] else str(r["tokens"])
     coll = ", ".join(f"{k} {v}" for k, v in (r.get("collectives") or {}).items()) or "-"
-    print(f"{r['backend']:7} {r['mesh']:5} {r['variant']:9} {r['dtype']:5} {tokens:>11} {r['padding']:7} "
+    print(f"{r['backend']:7} {r['mesh']:9} {r['variant']:9} {r['dtype']:5} {tokens:>11} {r['padding']:7} "
           f"{r['pcc']:12.9f} {r['max_abs']:9.2e}  {p['colwise']}/{p['rowwise']}/{p['norm_colwise']}/{p['replicate']:<14} "
           f"{r['sp_points']:^9}  {coll}{'' if r['ok'] else '  <-- FAIL'}", flush=True)
 
@@ -72,9 +81,11 @@ def _specs(args: argparse.Namespace) -> int:
     from ..specs import shard_dit_specs
 
     dit = build_dit(args.variant, args.size, device="meta")
-    specs = shard_dit_specs(dit, args.mesh)
+    mesh = cfg_plan(args.mesh, 2, None).mesh() if args.cfg == 2 else args.mesh  # named e.g. 8x4-cfg2
+    specs = shard_dit_specs(dit, mesh)  # cfg: the same TP split in each group, whole across the groups
     if args.json:
-        print(json.dumps({"mesh": args.mesh, "variant": args.variant, "counts": specs.counts(),
+        print(json.dumps({"mesh": mesh if isinstance(mesh, str) else mesh.name, "variant": args.variant,
+                          "counts": specs.counts(), "cfg": args.cfg,
                           "specs": {n: list(s) for n, s in specs.by_name().items()}}, indent=1))
     else:
         print(specs)
@@ -83,12 +94,19 @@ def _specs(args: argparse.Namespace) -> int:
 
 
 def _meshes(args: argparse.Namespace) -> int:
+    from ..mesh import MeshError, with_cfg
+
     w_name, w_machine = max(map(len, PRESET_TABLE)), max(map(len, PRESET_MACHINES.values()))
     for name in PRESET_TABLE:
         m = mesh_from_preset(name)
+        try:  # what --cfg 2 makes of it: two groups, one per guidance branch
+            g = with_cfg(m)
+            cfg = f"2 groups of sp={g.sp} tp={g.tp}"
+        except MeshError:
+            cfg = "-"
         print(f"{name:{w_name}}  {PRESET_MACHINES[name]:{w_machine}}  devices {m.num_devices:3}  "
               f"shape {'x'.join(map(str, m.shape)):5} sp={m.sp:<2} tp={m.tp}  "
-              f"tokens padded to a multiple of {m.seq_multiple}")
+              f"tokens padded to a multiple of {m.seq_multiple:<4} --cfg 2: {cfg}")
     return 0
 
 
@@ -97,6 +115,7 @@ def add_subcommands(sub: Any) -> None:
     check = sub.add_parser("check", help="PCC of the sharded tiny DiT vs unsharded (the default job)")
     check.add_argument("--meshes", nargs="+", default=None, type=preset, choices=list(PRESET_TABLE),
                        metavar="MESH", help=f"mesh presets (default {' '.join(DEFAULT_MESHES)}, or the plan's)")
+    add_cfg(check)
     add_plan(check)
     check.add_argument("--backends", nargs="+", default=list(CPU_BACKENDS), choices=list(EXECUTING_BACKENDS),
                        help=f"default {' '.join(CPU_BACKENDS)} (CPU virtual devices); tt runs on Tenstorrent "
@@ -112,6 +131,7 @@ def add_subcommands(sub: Any) -> None:
 
     specs = sub.add_parser("specs", help="print the partition spec of every parameter")
     add_mesh(specs, "8x4")
+    add_cfg(specs)
     specs.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)
     specs.add_argument("--size", default="full", choices=["full", "tiny"])
     specs.add_argument("--json", action="store_true")

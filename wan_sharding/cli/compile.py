@@ -24,7 +24,7 @@ from ..compile.composites import COMPOSITE_SETS, DEFAULT_COMPOSITES
 from ..compile.request import FRONTENDS
 from ..models import RESOLUTIONS, VARIANTS
 from ..workers import atomic_write
-from .args import add_dtype, add_padding, add_patches, add_plan
+from .args import add_cfg, add_dtype, add_padding, add_patches, add_plan
 from .validate import apply_plan, compile_options, latent, output_dir, output_file, positive_float, positive_int
 
 
@@ -83,8 +83,15 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             resolution=args.resolution if args.latent is None else None,
             out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
         )
-        req = (CompileRequest.for_plan(args.plan, **fields) if args.plan is not None
-               else CompileRequest(mesh=args.mesh, padding=args.padding, **fields)).validate()
+        if args.plan is not None and args.plan.cfg_axes:
+            # CFG parallel: one program with cond + uncond rows (2-D mesh), or the group's program (3-D)
+            from ..compile.cfg import compile_request
+
+            fields.pop("batch")
+            req = compile_request(args.plan, args.batch, **fields).validate()
+        else:
+            req = (CompileRequest.for_plan(args.plan, **fields) if args.plan is not None
+                   else CompileRequest(mesh=args.mesh, padding=args.padding, **fields)).validate()
         report = compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
     except (CompileError, ValueError) as e:
         if args.json:
@@ -124,6 +131,7 @@ def add_subcommands(sub: Any) -> None:
                     "and the per-device token dims for tile alignment. Exit 1 when a check fails.")
     c.add_argument("--mesh", default=None, help=f"mesh preset: {', '.join(PRESETS)} (default 8x4, or the plan's)")
     add_plan(c)
+    add_cfg(c)
     c.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
     c.add_argument("--latent", default=None, type=latent, help="latent F,H,W instead of a resolution, e.g. 21,60,104")
     c.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
@@ -132,7 +140,9 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("--arch", choices=archs, default="wormhole_b0")
     add_padding(c, None)
     add_dtype(c, "bf16")
-    c.add_argument("--batch", type=positive_int, default=1)
+    c.add_argument("--batch", type=positive_int, default=1,
+                   help="batch per guidance branch (default 1); with --cfg 2 (or a plan with cfg axes) a 2-D mesh "
+                        "compiles one program of twice this batch, cond and uncond rows split over cfg")
     c.add_argument("--frontend", choices=list(FRONTENDS), default="torchax",
                    help="torchax: the DiT as a JAX function, abstract weights (any depth); torch-xla: the lowering "
                         "Tenstorrent hardware compiles (real weights in host memory: keep full width to a few blocks)")

@@ -15,7 +15,7 @@ from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
 from ..options import EXECUTING_BACKENDS
-from .args import add_cache, add_dtype, add_mesh, add_padding, add_patches, add_plan, stack_missing
+from .args import add_cache, add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, stack_missing
 from .validate import apply_plan, check_generate, check_profile
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
@@ -68,6 +68,7 @@ def add_pipeline_source(ap: argparse.ArgumentParser) -> None:
     """Which pipeline runs where: ``--mesh`` / ``--plan``, ``--backend``, ``--variant``, ``--model``
     (``generate`` and ``serve`` take the same)."""
     add_mesh(ap, None, help="mesh preset (default 2x4, or the plan's)")
+    add_cfg(ap)
     add_plan(ap)
     ap.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
     ap.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
@@ -103,6 +104,7 @@ def add_subcommands(sub: Any) -> None:
                        description=PROFILE_DOC.split("\n\n")[0])
     add_mesh(p, None, UNSHARDED, help=f"a preset, or '{UNSHARDED}' (one device, no TP/SP: the baseline); default 2x4, "
                                        "or the plan's")
+    add_cfg(p)
     add_plan(p)
     p.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
     p.add_argument("--what", nargs="+", default=["dit"], choices=list(WHAT),

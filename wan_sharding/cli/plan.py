@@ -64,14 +64,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     data = report.to_json()
     data["wall_seconds"] = round(time.perf_counter() - t0, 2)
-    if args.write and report.recommended is not None and report.recommended.cfg_axis:
-        print(f"wan-sharding {args.command}: error: the recommended plan splits the mesh for CFG, which shard_pipeline "
-              "cannot run; nothing written (rerun without --cfg-split to write the best whole-mesh plan)",
-              file=sys.stderr)
-        return EXIT_ERROR
     if args.write and report.recommended is not None:
         with atomic_path(args.write) as tmp:  # the plan's own format, renamed into place when complete
-            report.recommended.plan.save(tmp)
+            report.recommended.full_plan.save(tmp)  # a CFG split: the plan with its cfg axes
         data["written"] = str(args.write)
     if args.verify and report.recommended is not None and not report.recommended.cfg_axis:
         from ..jobs.placement import verify_in_subprocess
@@ -119,8 +114,9 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--fsdp", choices=["on", "off"], default=None, help="only plans with (on) or without (off) FSDP")
     p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
     p.add_argument("--cfg-split", action="store_true",
-                   help="also rank CFG splits (cond and uncond at once on the two halves of an axis): a what-if, "
-                        "shard_pipeline cannot run one, so --write refuses it")
+                   help="also rank CFG splits (cond and uncond at once on the two halves of an axis, a plan with "
+                        "cfg axes as --cfg 2 makes): every plan then compared per denoising step; --write saves a "
+                        "recommended split with its cfg axes")
     p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per compile batch")
     p.add_argument("--out", default=None, help="folder for the compiled IRs (default: a new temp folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

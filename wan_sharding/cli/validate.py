@@ -200,12 +200,55 @@ def _roles_by_position(spec: Any) -> tuple:
     return tuple(spec.shape), positions(spec.sp_axis), positions(spec.tp_axis)
 
 
+def cfg_plan(mesh: str, cfg: int, padding: str | None) -> Any:
+    """The plan of preset ``mesh`` cut into ``cfg`` guidance groups (``--cfg 2``), or a UsageError
+    naming why it cannot be (``with_cfg``'s one line)."""
+    from ..mesh import MeshError, with_cfg
+    from ..options import DEFAULT_PADDING
+    from ..plan import ShardingPlan
+
+    try:
+        return ShardingPlan.from_mesh(with_cfg(mesh, cfg), padding=padding or DEFAULT_PADDING)
+    except MeshError as e:
+        raise UsageError(f"--cfg {cfg} --mesh {mesh}: {e}") from None
+
+
+def apply_cfg(args: argparse.Namespace, default_mesh: str) -> None:
+    """``--cfg 2`` beside ``--mesh``: the mesh's plan cut into guidance groups becomes ``args.plan``
+    (``--mesh`` then names nothing more). With a ``--plan``, ``--cfg`` must say what the plan says;
+    with guidance off (``--guidance-scale`` <= 1: no uncond branch) it is refused."""
+    cfg = getattr(args, "cfg", 1)
+    plan = getattr(args, "plan", None)
+    if plan is not None:
+        if cfg == 2 and not plan.cfg_axes:
+            raise UsageError(f"--cfg 2 contradicts the plan {plan.name!r}, which has no cfg axis; leave --cfg out "
+                             "with --plan, or write a plan with cfg_axes")
+        cfg = 2 if plan.cfg_axes else 1
+    if cfg == 2 and getattr(args, "cache", "none") != "none":
+        from ..pipeline.standin import CFG_CACHE_REFUSAL
+
+        raise UsageError(f"--cache {args.cache} with --cfg 2: {CFG_CACHE_REFUSAL}")
+    if cfg == 2 and getattr(args, "guidance_scale", 2.0) <= 1.0:
+        raise UsageError(f"--cfg 2 with --guidance-scale {args.guidance_scale}: guidance is off, so a step has no "
+                         "uncond branch to run beside the cond one; use --cfg 1 or a guidance scale above 1")
+    if cfg == 2 and plan is None:
+        from ..jobs.launch import UNSHARDED
+
+        if getattr(args, "mesh", None) == UNSHARDED:
+            raise UsageError(f"--cfg 2 needs a mesh to cut in two; --mesh {UNSHARDED} is the one-device baseline")
+        args.plan = cfg_plan(args.mesh or default_mesh, cfg, args.padding)
+        args.mesh = None
+
+
 def apply_plan(args: argparse.Namespace, default_mesh: str | list[str], mesh_flag: str = "--mesh") -> None:
     """With ``--plan``: the mesh (``args.mesh``, or ``args.meshes`` for ``check``) and padding become
-    the plan's; a ``--mesh``/``--padding`` that says otherwise is a usage error. Without: the defaults."""
+    the plan's; a ``--mesh``/``--padding`` that says otherwise is a usage error. Without: the defaults.
+    ``--cfg 2`` (``apply_cfg``) first makes the plan of ``--mesh`` cut into guidance groups."""
     from ..mesh import mesh_from_preset
     from ..options import DEFAULT_PADDING
 
+    if mesh_flag == "--mesh":
+        apply_cfg(args, default_mesh)  # type: ignore[arg-type]
     plan = getattr(args, "plan", None)
     attr = mesh_flag.lstrip("-")
     given = getattr(args, attr)

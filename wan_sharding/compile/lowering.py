@@ -72,11 +72,15 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
         act = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[req.dtype]
         f, h, w = req.latent
         ts_shape = (req.batch, req.tokens) if req.variant in PER_TOKEN_TIMESTEPS else (req.batch,)
+        # Replicated; on a cfg mesh the batch of (cond, uncond) rows split over the cfg axis.
+        placed = ((lambda shape: backend.sharding(mesh.batch_spec(shape))) if mesh.cfg_axis is not None
+                  else (lambda shape: rep))
+        hidden_shape = (req.batch, cfg["in_channels"], f, h, w)
+        text_shape = (req.batch, PROMPT_TOKENS[req.size], cfg["text_dim"])
         inputs = {
-            "hidden_states": jax.ShapeDtypeStruct((req.batch, cfg["in_channels"], f, h, w), act, sharding=rep),
-            "timestep": jax.ShapeDtypeStruct(ts_shape, getattr(jnp, req.timestep_dtype), sharding=rep),
-            "encoder_hidden_states": jax.ShapeDtypeStruct(
-                (req.batch, PROMPT_TOKENS[req.size], cfg["text_dim"]), act, sharding=rep),
+            "hidden_states": jax.ShapeDtypeStruct(hidden_shape, act, sharding=placed(hidden_shape)),
+            "timestep": jax.ShapeDtypeStruct(ts_shape, getattr(jnp, req.timestep_dtype), sharding=placed(ts_shape)),
+            "encoder_hidden_states": jax.ShapeDtypeStruct(text_shape, act, sharding=placed(text_shape)),
         }
         if prompt_cache(dit) is not None:  # prompt_kv: the step takes the prompt's K / V, made once per prompt
             inputs["encoder_hidden_states"] = prompt_state_like(

@@ -26,6 +26,7 @@ from ..mesh import TILE
 from ..models import config_for
 from . import bill as ir_bill
 from .causes import per_block_causes
+from .cfg import request_cfg, step_figures
 from .request import CompileRequest, CompileResult
 from .runner import compile_many
 from .ttnn_ir import REPORTED_OPS, TTNNModule, format_bytes, ttir_attention
@@ -43,6 +44,7 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
     alignment, times. ``base`` is the shallower compile of the same configuration (or None)."""
     req = main.request
     mesh = req.mesh_spec()
+    how = request_cfg(req)
     report: dict[str, Any] = {
         "ok": main.ok,
         "mesh": req.mesh, "sp": mesh.sp, "tp": mesh.tp,
@@ -61,6 +63,8 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         "ttnn_path": main.ttnn_path, "ttir_path": main.ttir_path, "stablehlo_path": main.stablehlo_path,
         "trace_seconds": main.trace_seconds, "trace_rss_mb": main.trace_rss_mb,
         "design": {f"{k}/{s}/{a}": n for (k, s, a), n in ir_bill.design_bill(mesh, "prompt_kv" in req.patches).items()},
+        # CFG parallel: how the plan compiled (one program / per group) and a step's forwards (1; 2 without)
+        "cfg": how.to_json(),
     }
     if not main.ok:
         report.update(error=main.error, diagnostics=main.diagnostics[:10], bill_ok=False, tile_aligned=None,
@@ -103,8 +107,9 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
     shallow = TTNNModule.from_file(base.ttnn_path)
     bill = ir_bill.per_block_bill(shallow, module, base.request.num_blocks, req.num_blocks, mesh)
     split = ir_bill.program_split(shallow, module, base.request.num_blocks, req.num_blocks)
+    # per device: one branch's rows (a cfg program's batch is split over its cfg axis)
     budget = ir_bill.design_bytes(config_for(req.variant, req.size), mesh, main.padded_tokens or main.tokens,
-                                  req.batch, req.dtype)
+                                  how.branch_batch, req.dtype)
     problems = ir_bill.bill_problems(bill, mesh, budget, prompt_kv="prompt_kv" in req.patches)
     causes = per_block_causes(shallow, module, base.request.num_blocks, req.num_blocks)
     report.update(
@@ -116,6 +121,10 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         runtime_ops_per_block_by_cause=causes,
         bill_ok=not problems, bill_problems=problems,
         base_blocks=base.request.num_blocks, base_compile_seconds=base.compile_seconds,
+        # per device at the model's depth: per block, per forward and per denoising step (guidance
+        # on: 2 forwards without CFG parallel, 1 with it), so SP and cfg layouts compare per step
+        step=step_figures(shallow, module, base.request.num_blocks, req.num_blocks,
+                          config_for(req.variant, req.size)["num_layers"], how.forwards_per_step),
     )
     return report
 
@@ -131,6 +140,8 @@ def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0
     """
     def twin(r: CompileRequest, suffix: str, **changes: Any) -> CompileRequest:
         out = None if r.out_dir is None else str(Path(r.out_dir).with_name(Path(r.out_dir).name + suffix))
+        if r.plan is not None and "padding" in changes:  # a plan carries its padding: the twin's plan too
+            changes["plan"] = dataclasses.replace(r.plan, padding=changes["padding"])
         return dataclasses.replace(r, out_dir=out, **changes)
 
     groups = []
@@ -217,6 +228,23 @@ def ops_line(report: dict[str, Any]) -> str | None:
                if (causes := report.get("runtime_ops_per_block_by_cause")) else ""))
 
 
+def step_lines(report: dict[str, Any]) -> list[str]:
+    """Per device, per block and per denoising step (guidance on) at the model's depth."""
+    step = report.get("step")
+    if not step:
+        return []
+    f = step["forwards_per_step"]
+    why = ("both branches at once, one per group" if f == 1 else "cond then uncond, one after the other")
+
+    def row(d: dict[str, float]) -> str:
+        return (f"{d['collectives']:g} collectives ({d['large_collectives']:g} large), "
+                f"{format_bytes(d['collective_bytes'])} moved, {d['runtime_ops']:g} runtime ops")
+
+    return [f"per denoising step ({f} forward{'s' if f > 1 else ''}: {why}), per device, {step['blocks']} blocks:",
+            f"  per block x {f}: {row(step['per_block_per_step'])}",
+            f"  per step:       {row(step['per_step'])}"]
+
+
 def format_report(report: dict[str, Any], top: int = 25) -> str:
     """Human-readable text for one report."""
     lines = [
@@ -227,6 +255,10 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
     ]
     if report.get("tokens"):
         lines.append(f"tokens: {report['tokens']} -> padded {report['padded_tokens']}")
+    cfg = report.get("cfg") or {}
+    if cfg.get("how"):
+        lines.append(f"CFG parallel: plan [{cfg['plan']}] compiled {cfg['how']}: [{cfg['compiled_plan']}], batch "
+                     f"{cfg['batch']} ({cfg['branch_batch']} per branch); a step is 1 forward (both branches at once)")
     lines += composite_lines(report)
     if not report["ok"]:
         lines.append(f"COMPILE FAILED: {report.get('error')}")
@@ -262,7 +294,9 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
         if ops:
             lines.append(ops)
     design = ", ".join(f"{n} {k.replace('/', ' ')}" for k, n in report["design"].items())
-    lines.append(f"design: {design}")
+    lines.append(f"design: {design}" + (" (per block, per branch: each group's program)"
+                                        if (report.get("cfg") or {}).get("how") else ""))
+    lines += step_lines(report)
     if "padding_ops_per_block" in report:
         fmt = lambda d: ", ".join(f"{k} {v:+g}" for k, v in d.items()) or "none"  # noqa: E731
         if report["padding_ops_per_block"] is None:

@@ -79,7 +79,12 @@ class CompileRequest:
             API with it (``shard_dit_specs(dit, plan)``, ``apply_dit_sp_activation_sharding(...,
             plan=plan)``); ``mesh`` must then be the plan's mesh name and ``padding`` its padding
             (:meth:`for_plan` fills both). ``None``: the preset's default roles (SP on the first
-            axis, TP on the second).
+            axis, TP on the second). A plan with ``cfg_axes`` (CFG parallel) compiles as one program
+            on a 2-D mesh only, with an even ``batch`` (cond and uncond rows); a 3-D one compiles
+            its group's program instead (:func:`.cfg.compile_request`).
+        cfg_plan: the CFG-parallel plan this request compiles for, when the request was made from
+            one (:func:`.cfg.compile_request`): ``plan`` itself (one program) or its group plan
+            (per group). The report then counts a denoising step as one forward, not two.
     """
 
     variant: str = "t2v-a14b"
@@ -101,6 +106,7 @@ class CompileRequest:
     patches: tuple[str, ...] = ()
     mark_arguments: bool = True
     plan: ShardingPlan | None = None
+    cfg_plan: ShardingPlan | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patches", tuple(self.patches))
@@ -137,6 +143,13 @@ class CompileRequest:
             if self.plan.padding != self.padding:
                 raise CompileError(f"request padding {self.padding!r} is not the plan's {self.plan.padding!r}; "
                                    "build the request with CompileRequest.for_plan(plan, ...)")
+            if self.plan.cfg_axes and len(self.plan.mesh_shape) > 2:
+                raise CompileError(f"plan {self.plan.name!r} has a {len(self.plan.mesh_shape)}-D mesh; tt-mlir takes "
+                                   "1-D and 2-D meshes only: compile its group's program "
+                                   "(wan_sharding.compile.cfg.compile_request)")
+            if self.plan.cfg_axes and self.batch % 2:
+                raise CompileError(f"plan {self.plan.name!r} splits the batch over its cfg axis: a batch of cond "
+                                   f"and uncond rows must be even, got {self.batch}")
         else:
             try:
                 mesh_from_preset(self.mesh)
@@ -203,6 +216,8 @@ class CompileRequest:
                  + (f" +{'+'.join(self.patches)}" if self.patches else "")
                  + ("" if self.composites == "hardware" else f" composites={self.composites}")
                  + ("" if self.mark_arguments else " unmarked"))
+        if self.cfg_plan is not None and self.plan is not None and self.cfg_plan.mesh_shape != self.plan.mesh_shape:
+            extra += f" (group of [{self.cfg_plan.name}])"
         if self.plan is not None:
             return f"{self.variant}/{self.size} {self.num_blocks}blk {lat} plan [{self.plan.name}]{extra}"
         return f"{self.variant}/{self.size} {self.num_blocks}blk {self.mesh} {lat} pad={self.padding}{extra}"
@@ -213,6 +228,7 @@ class CompileRequest:
         d["patches"] = list(self.patches)
         d["notes"] = list(self.notes)
         d["plan"] = None if self.plan is None else self.plan.to_dict()
+        d["cfg_plan"] = None if self.cfg_plan is None else self.cfg_plan.to_dict()
         return d
 
     @classmethod
@@ -221,8 +237,9 @@ class CompileRequest:
         if "fused_sdpa" in d:  # results written before composite sets existed
             d.setdefault("composites", "sdpa" if d.pop("fused_sdpa") else "none")
         d["latent"] = tuple(int(v) for v in d["latent"])
-        if d.get("plan") is not None:
-            d["plan"] = ShardingPlan.from_dict(d["plan"])
+        for key in ("plan", "cfg_plan"):
+            if d.get(key) is not None:
+                d[key] = ShardingPlan.from_dict(d[key])
         return cls(**d)
 
 

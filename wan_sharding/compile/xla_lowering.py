@@ -76,6 +76,9 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
             "encoder_hidden_states": torch.zeros(req.batch, PROMPT_TOKENS[req.size], cfg["text_dim"],
                                                  dtype=dtype).to(dev),
         }
+        if mesh.cfg_axis is not None:  # a batch of (cond, uncond) rows, split over the cfg axis
+            for t in inputs.values():
+                xs.mark_sharding(t, backend.native_mesh, mesh.batch_spec(t.shape))
         if prompt_cache(dit) is not None:  # prompt_kv: the step takes the prompt's K / V, made once per prompt
             def placed_zeros(shape: tuple[int, ...], spec: tuple) -> torch.Tensor:
                 t = torch.zeros(shape, dtype=dtype).to(dev)

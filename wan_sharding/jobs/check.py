@@ -101,14 +101,20 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
     import torch
 
     from ..compose import shard_dit
-    from ..models import build_dit, dit_inputs
+    from ..models import build_dit, dit_inputs, guidance_pair
     from ..options import torch_dtype
 
     dtype = torch_dtype(case.dtype)
     dit = build_dit(case.variant, "tiny", dtype=dtype, **case.overrides())
     inputs = dit_inputs(case.variant, case.latent(), dtype=dtype, batch=case.batch)
     with torch.no_grad():
-        reference = dit(**inputs, return_dict=False)[0]
+        if plan is not None and plan.cfg_axes:
+            # CFG parallel: the step's cond and uncond calls as one batch, against the two unsharded
+            # forwards the pipeline would make one after the other
+            cond, uncond, inputs = guidance_pair(inputs)
+            reference = torch.cat([dit(**cond, return_dict=False)[0], dit(**uncond, return_dict=False)[0]])
+        else:
+            reference = dit(**inputs, return_dict=False)[0]
 
     start = time.perf_counter()
     sharded = copy.deepcopy(dit)  # rewrites and the device move act on the copy: the reference stays vanilla

@@ -185,6 +185,11 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     print(f"  denoising: {len(steps_s)} steps, seconds per step {', '.join(f'{s:.2f}' for s in steps_s)} "
           "(an expert's first step compiles); VAE decode "
           f"{result['decode_seconds']:.2f} s; total {result['seconds']:.2f} s", flush=True)
+    if "cfg_steps" in info:  # CFG parallel: how many steps ran cond and uncond as one program
+        result.update(cfg_steps=info["cfg_steps"])
+        print(f"  CFG parallel: {info['cfg_steps']['paired']} steps ran their cond and uncond calls as one program "
+              f"(one branch per group of {handle.mesh.group_devices} devices), "
+              f"{info['cfg_steps']['single']} calls on their own (no guidance)", flush=True)
     if cache != "none":
         stats = result["cache_stats"]
         drift_pcc, drift = compare(uncached, latents)
@@ -314,13 +319,15 @@ def _cache(p: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plans_compare_in_subprocess(backend: str, plans: list[Any], variant: str = "t2v-a14b", steps: int = 2,
-                                seed: int = 0, timeout: float = 1200) -> list[dict[str, Any]]:
-    """Per plan: the tiny pipeline sharded with ``shard_pipeline(pipe, plan=plan)`` vs unsharded
-    (final latents), and its weights per device as placed vs the planner's count. One worker with
-    the most devices any plan needs (JAX runs smaller plans on the first devices; torch-xla needs
-    one device count per process)."""
+                                seed: int = 0, timeout: float = 1200, guidance_scales: tuple[float, ...] = (4.0,),
+                                patches: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Per plan and guidance scale: the tiny pipeline sharded with ``shard_pipeline(pipe,
+    plan=plan, patches=patches)`` vs unsharded (final latents), its expert forwards and, on a cfg
+    plan, how many steps ran their two calls as one program; and its weights per device as placed
+    vs the planner's count. One worker with the most devices any plan needs (JAX runs smaller plans
+    on the first devices; torch-xla needs one device count per process)."""
     params = dict(kind="plans", plans=[p.to_dict() for p in plans], variant=variant, steps=steps, seed=seed,
-                  dtype="fp32", backend=backend)
+                  dtype="fp32", backend=backend, guidance_scales=list(guidance_scales), patches=list(patches))
     return _comparison_worker(params, [plan_devices(p) for p in plans], timeout)
 
 
@@ -330,22 +337,37 @@ def _plans(p: dict[str, Any]) -> list[dict[str, Any]]:
     from ..pipeline.tiny import build_tiny_pipeline, call_kwargs
 
     pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=torch_dtype(p["dtype"]))
-    run = lambda: pipe(**call_kwargs(pipe, steps=p["steps"], seed=p["seed"]), output_type="latent").frames  # noqa: E731
-    reference = run()
+    scales = p.get("guidance_scales", [4.0])
+
+    def run(scale: float) -> Any:
+        kwargs = call_kwargs(pipe, steps=p["steps"], seed=p["seed"], guidance_scale=scale)
+        return pipe(**kwargs, output_type="latent").frames
+
+    references = {scale: run(scale) for scale in scales}
     for data in p["plans"]:
         plan = ShardingPlan.from_dict(data)
-        handle = shard_pipeline(pipe, plan_mesh_arg(p["backend"], plan), backend=p["backend"], plan=plan)
+        handle = shard_pipeline(pipe, plan_mesh_arg(p["backend"], plan), backend=p["backend"], plan=plan,
+                                patches=p.get("patches", ()))
+        rows = []
         try:
             memory = placed_vs_predicted(handle, plan)
-            out = run()
-            info = handle.describe()
+            for scale in scales:
+                before = handle.describe()
+                out = run(scale)
+                info = handle.describe()
+                value, max_abs = compare(references[scale], out)
+                forwards = {n: e["forwards"] - before["experts"][n]["forwards"] for n, e in info["experts"].items()}
+                steps = {k: v - before["cfg_steps"][k] for k, v in info["cfg_steps"].items()} if "cfg_steps" in info else None
+                rows.append({"backend": p["backend"], "plan": plan.name, "mesh": info["mesh"], "sp": info["sp"],
+                             "tp": info["tp"], "cfg": info["cfg"], "fsdp": plan.fsdp, "layout": plan.layout,
+                             "padding": info["padding"], "steps": p["steps"], "guidance_scale": scale, "pcc": value,
+                             "max_abs": max_abs, "memory": memory, "forwards": forwards, "cfg_steps": steps})
         finally:
             handle.remove()
-        value, max_abs = compare(reference, out)
-        emit({"backend": p["backend"], "plan": plan.name, "mesh": info["mesh"], "sp": info["sp"], "tp": info["tp"],
-              "fsdp": plan.fsdp, "layout": plan.layout, "padding": info["padding"], "steps": p["steps"],
-              "pcc": value, "max_abs": max_abs, "memory": memory,
-              "restored": all(getattr(pipe, e.name) is e.dit for e in handle.experts)})
+        # the same experts back, and no wrapper left on the pipeline instance (CFG parallel's encode_prompt)
+        restored = all(getattr(pipe, e.name) is e.dit for e in handle.experts) and "encode_prompt" not in vars(pipe)
+        for row in rows:
+            emit({**row, "restored": restored})
     return []
 
 

@@ -78,12 +78,15 @@ def _dynamo_graphs() -> dict[str, int]:
 
 
 def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
     from ..backends import get_backend
     from ..compose import resolve, shard_dit
     from ..mesh import MeshSpec
     from ..models import PER_TOKEN_TIMESTEPS, LatentShape, build_dit, dit_inputs
     from ..options import torch_dtype
     from ..pipeline import ShardedTransformer
+    from ..pipeline.guidance import as_pair
     from ..pipeline.tiny import flow_scheduler, prompt_embeddings
     from ..plan import ShardingPlan
     from ..specs import replicated_specs
@@ -113,6 +116,22 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
     def forward(x, t, emb):
         return model(hidden_states=x, timestep=t, encoder_hidden_states=emb, return_dict=False)[0]
 
+    # CFG parallel: a step's cond and uncond forwards as one, the pair's batch split over the cfg
+    # axis, as a sharded pipeline runs them (wan_sharding.pipeline.guidance)
+    cfg = sharding is not None and sharding.mesh.cfg_axis is not None
+    prompts = torch.cat([cond, uncond]) if cfg else None
+
+    def both(x, t):
+        """The step's two noise predictions (cond, uncond)."""
+        if cfg:
+            pair = as_pair({"hidden_states": x, "timestep": t}, prompts)
+            return model(**pair, return_dict=False)[0].chunk(2)
+        with model.cache_context("cond", step_index=current["i"], num_inference_steps=n):
+            noise_c = forward(x, t, cond)
+        with model.cache_context("uncond", step_index=current["i"], num_inference_steps=n):
+            noise_u = forward(x, t, uncond)
+        return noise_c, noise_u
+
     current: dict[str, Any] = {}
 
     def denoise(times: list[float] | None = None, marks: list | None = None) -> torch.Tensor:
@@ -127,13 +146,10 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             if marks is not None and i == p["warmup"]:
                 marks.append(_cpu_snapshot())
             t = time.perf_counter()
-            current["t"] = step_t
+            current.update(t=step_t, i=i)
             x = latents.to(dtype)
             ts = step_t.expand(1, tokens) if per_token else step_t.expand(1)
-            with model.cache_context("cond", step_index=i, num_inference_steps=n):
-                noise_c = forward(x, ts, cond)
-            with model.cache_context("uncond", step_index=i, num_inference_steps=n):
-                noise_u = forward(x, ts, uncond)
+            noise_c, noise_u = both(x, ts)
             noise = noise_u + 4.0 * (noise_c - noise_u)
             latents = scheduler.step(noise, step_t, latents, return_dict=False)[0]
             if times is not None:
@@ -169,7 +185,10 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
                 if i == p["warmup"]:
                     marks.append(_cpu_snapshot())
                 t = time.perf_counter()
-                forward(inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"])
+                if cfg:  # the DiT forward of a cfg mesh: the pair's batch, one branch per group
+                    both(inputs["hidden_states"], inputs["timestep"])
+                else:
+                    forward(inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"])
                 times.append(time.perf_counter() - t)
         else:  # one denoising step as the Wan pipelines do it
             final = denoise(times, marks)
@@ -187,7 +206,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             "compile_s": max(times[0] - (statistics.median(timed) if timed else 0.0), 0.0),
             "median_s": statistics.median(timed) if timed else None,
             "min_s": min(timed) if timed else None, "max_s": max(timed) if timed else None, "times_s": timed,
-            "forwards_per_iter": 1 if what == "dit" else 2, "note": note_for(p["backend"]),
+            "forwards_per_iter": 1 if what == "dit" or cfg else 2, "cfg": 2 if cfg else 1, "note": note_for(p["backend"]),
             "compiles": backend.compiles,  # tt: torch.compile calls so far
             **(_dynamo_graphs() if p["backend"] == "tt" else {}),
             "others_cpu_share": _others_share(marks[0], marks[-1]) if len(marks) == 2 else None,

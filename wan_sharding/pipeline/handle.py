@@ -50,6 +50,7 @@ class PipelineHandle(OnResolved):
     pipe: Any
     resolved: Resolved
     experts: list[ShardedExpert] = field(default_factory=list)
+    pairs: Any = None  # CFG parallel: the pipeline's GuidancePairs (its encode_prompt wrapper), else None
     removed: bool = False
 
     @property
@@ -76,6 +77,8 @@ class PipelineHandle(OnResolved):
                     _restore_component(self.pipe, e.name, e.dit, e.config_entry)
             except Exception as exc:  # keep restoring the others, then report
                 errors.append(f"{e.name}: {exc!r}")
+        if self.pairs is not None:
+            self.pairs.remove()
         _SHARDED.pop(self.pipe, None)
         self.removed = True
         if errors:
@@ -92,7 +95,8 @@ class PipelineHandle(OnResolved):
         return {
             "backend": self.backend.name, "mesh": self.mesh.name, "sp": self.mesh.sp, "tp": self.mesh.tp,
             "padding": self.padding, "pipeline": type(self.pipe).__name__,
-            "plan": None if self.plan is None else self.plan.name,
+            "plan": None if self.plan is None else self.plan.name, "cfg": self.mesh.cfg,
+            **({"cfg_steps": {"paired": self.pairs.paired, "single": self.pairs.single}} if self.pairs is not None else {}),
             "experts": {
                 e.name: {"params": e.specs.counts() if e.specs is not None else {},
                          "forwards": e.wrapper.calls if e.wrapper is not None else 0,

@@ -32,7 +32,8 @@ from ..hooks import has_sp
 from ..specs import ShardingError, check_wan_model
 from .handle import PipelineHandle, ShardedExpert, register_handle, sharded_handle
 from .stacks import diffusers_without_torch_xla, warn_if_torch_xla_in_jax_process
-from .standin import ShardedTransformer
+from .guidance import GuidancePairs
+from .standin import CFG_CACHE_REFUSAL, ShardedTransformer
 
 if TYPE_CHECKING:
     from ..plan import ShardingPlan
@@ -76,7 +77,10 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
             every expert before it is sharded; ``remove()`` undoes them too.
         plan: a :class:`~wan_sharding.plan.ShardingPlan` or the path of one (``wan-sharding plan
             --write``): its mesh and axis roles, FSDP, activation layout and padding are applied to
-            every expert. An explicit ``mesh`` or ``padding`` that contradicts it is an error.
+            every expert. An explicit ``mesh`` or ``padding`` that contradicts it is an error. A plan
+            (or mesh) with a cfg axis (``ShardingPlan.from_mesh(with_cfg("2x4"))``) runs each step's
+            cond and uncond calls as one program, one branch per group (:mod:`.guidance`); a step
+            cache is then refused.
 
     Returns:
         A :class:`PipelineHandle`; ``handle.remove()`` (or leaving a ``with`` block) restores the
@@ -115,9 +119,14 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
             )
     resolved = resolve(mesh, backend, padding, patches, plan=plan)  # once, for every expert
     _validate_experts([dit for _, dit in found], resolved)
+    cfg = resolved.mesh.cfg_axis is not None
+    if cfg and any(dit.is_cache_enabled for _, dit in found):
+        raise ShardingError(CFG_CACHE_REFUSAL)
     warn_if_torch_xla_in_jax_process(pipe, resolved.backend)
 
     handle = PipelineHandle(pipe, resolved)
+    if cfg:  # both experts share it: a step runs one of them, on the call's negative prompt
+        handle.pairs = GuidancePairs(pipe)
     done: dict[int, ShardedExpert] = {}
     try:
         for name, dit in found:
@@ -131,7 +140,7 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
             handle.experts.append(expert)  # from here on, remove() can undo what follows
             expert.sharding = shard_dit(dit, resolved=resolved, keep_host_weights=keep_host_weights)
             h = expert.sharding
-            expert.wrapper = ShardedTransformer(dit, h.backend, h.placed, name, h.padding, sp=h.sp)
+            expert.wrapper = ShardedTransformer(dit, h.backend, h.placed, name, h.padding, sp=h.sp, pairs=handle.pairs)
             if dit.is_cache_enabled:  # a cache enabled before sharding acts on the mesh too
                 expert.wrapper._adopt_cache()
             done[id(dit)] = expert

@@ -18,6 +18,14 @@ from ..backends import Backend
 from ..mesh import MeshSpec
 from ..patches.prompt_kv import prompt_inputs
 from ..specs import ShardingError
+from .guidance import GuidancePairs
+
+# Why a step cache and CFG parallel do not go together (one line, with the fix).
+CFG_CACHE_REFUSAL = (
+    "a step cache cannot run with CFG parallel: diffusers' caches decide to skip or compute per branch (the "
+    "pipeline's cond and uncond cache contexts, each from its own residuals), and one program for both branches "
+    "makes one decision for both, so the cached steps would differ from the unsharded pipeline's; use --cfg 1 "
+    "(a plan without cfg_axes) with a cache, or no cache with CFG parallel")
 
 __all__ = ["ShardedTransformer"]
 
@@ -31,12 +39,13 @@ class ShardedTransformer(torch.nn.Module):
     """
 
     def __init__(self, dit: torch.nn.Module, backend: Backend, placed: Any, name: str, padding: str,
-                 sp: SPHandle | None = None):
+                 sp: SPHandle | None = None, pairs: GuidancePairs | None = None):
         super().__init__()
         # Plain attributes, not submodules: module traversal (pipe.device, pipe.to, .modules())
-        # must not reach the sharded weights.
+        # must not reach the sharded weights. ``pairs``: on a cfg mesh, what runs a step's cond and
+        # uncond calls as one forward (shared by the pipeline's experts).
         self.__dict__.update(_dit=dit, _backend=backend, _placed=placed, component=name, padding=padding, calls=0,
-                             _sp=sp)
+                             _sp=sp, _pairs=pairs)
 
     # --- what the Wan pipelines read ------------------------------------------------------
     @property
@@ -94,7 +103,7 @@ class ShardedTransformer(torch.nn.Module):
         from ..caching import enable_model_cache
         from ..caching.probes import zero_padding_rows
 
-        refusal = self._backend.cache_refusal(config)
+        refusal = CFG_CACHE_REFUSAL if self.mesh.cfg_axis is not None else self._backend.cache_refusal(config)
         if refusal is not None:
             raise ShardingError(refusal)
         sp = self.__dict__.get("_sp")
@@ -120,13 +129,26 @@ class ShardedTransformer(torch.nn.Module):
 
     @torch.no_grad()  # inference only: with grad on, the tt backend's torch.compile would trace a backward too
     def forward(self, *args: Any, return_dict: bool = True, **kwargs: Any):
-        dit = self.dit
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if "attention_kwargs" in kwargs and self._backend.traces_whole_forward:
             raise ShardingError(
                 f"attention_kwargs (a LoRA scale) cannot be passed into the {self._backend.name} backend's compiled "
                 "forward; fuse the LoRA into the weights (pipe.fuse_lora()) before shard_pipeline, or use the xla backend"
             )
+        pairs = self._pairs
+        if pairs is not None and not args:  # CFG parallel: the step's cond and uncond calls as one forward
+            out = pairs.run(kwargs, self._forward)
+        else:
+            out = self._forward(kwargs, args)
+        if not return_dict:
+            return (out,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=out)
+
+    def _forward(self, kwargs: dict, args: tuple = ()) -> torch.Tensor:
+        """One forward of the real model on the mesh, inputs and output on the host."""
+        dit = self.dit
         # the prompt_kv patch: the prompt's K / V from its cache (or its prompt program), on the devices
         args, kwargs = prompt_inputs(dit, self._backend, self._placed, args, kwargs)
         if dit.is_cache_enabled:
@@ -135,11 +157,7 @@ class ShardedTransformer(torch.nn.Module):
         else:
             out = self._backend.run(dit, self._placed, *args, **kwargs)
         self.__dict__["calls"] += 1
-        if not return_dict:
-            return (out,)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-        return Transformer2DModelOutput(sample=out)
+        return out
 
     def _adopt_cache(self) -> None:
         """A cache enabled on the real model directly (or before sharding) gets this backend's probe,
@@ -159,7 +177,7 @@ class ShardedTransformer(torch.nn.Module):
             self.enable_cache(config)
 
     def _release(self) -> None:
-        self.__dict__.update(_dit=None, _placed=None, _sp=None)
+        self.__dict__.update(_dit=None, _placed=None, _sp=None, _pairs=None)
 
     # --- copying: refused (a copy would share the original's device weights and SP hooks) ---
     def __deepcopy__(self, memo: dict) -> Any:

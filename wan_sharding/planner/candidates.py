@@ -15,9 +15,14 @@ activation layout between Megatron pairs, and the padding mode. Filters, each le
 CFG split: classifier-free guidance runs two forwards per denoising step (cond and uncond). Besides
 plans that run both on the whole mesh one after the other, every mesh axis of even size can be cut
 in two halves that run one forward each at the same time (the batch of two sharded over that cut).
-Such a candidate is a plan on the half mesh plus the cut axis (``Candidate.cfg_axis``); each half
-holds both experts' weights, so it needs twice the memory per chip of the same plan on the whole
-mesh.
+Such a candidate is a plan on the half mesh (``Candidate.plan``, what each group runs and what the
+memory model and stage 1 cost) plus the cut axis (``Candidate.cfg_axis``); ``Candidate.cfg_plan``
+is the real plan, a :class:`~wan_sharding.plan.ShardingPlan` with ``cfg_axes`` on the whole mesh
+(a cut axis of 2 becomes the cfg axis; a longer one is split into a ``cfg`` axis of 2 outside the
+rest, as :func:`wan_sharding.mesh.with_cfg` cuts a preset), which ``--write`` saves and the
+compiled stage compiles (:func:`wan_sharding.compile.cfg.compile_request`). Each half holds both
+experts' weights whole at its own TP width, so it needs twice the weight memory per chip of the
+same plan on the whole mesh; a split that does not fit is out, with that reason.
 
 Plans that differ only in the order of the axes inside a role are kept once: tt-mlir lowers a
 role spanning two axes to one collective per axis in mesh order whatever the plan's order (seen
@@ -57,6 +62,16 @@ class Candidate:
     @property
     def name(self) -> str:
         return self.plan.name + (f" + cfg2[{self.cfg_axis}]" if self.cfg_axis else "")
+
+    @property
+    def cfg_plan(self) -> ShardingPlan | None:
+        """The CFG split as a real plan on the whole mesh (``cfg_axes`` set); None without a split."""
+        return cfg_plan(self.plan, self.cfg_axis) if self.cfg_axis else None
+
+    @property
+    def full_plan(self) -> ShardingPlan:
+        """What runs: the cfg plan for a CFG split, else the plan."""
+        return self.cfg_plan or self.plan
 
     @property
     def cfg_parts(self) -> int:
@@ -130,6 +145,27 @@ def cfg_halves(work: Workload, mesh_shape: Sequence[int],
     return out
 
 
+CFG_AXIS = "cfg"  # the axis a cut longer than 2 adds (as wan_sharding.mesh.with_cfg names it)
+
+
+def cfg_plan(half: ShardingPlan, cut_axis: str) -> ShardingPlan:
+    """The whole-mesh plan of the CFG split of ``half`` (a half-mesh plan) along ``cut_axis``: the
+    cut axis of the whole mesh was 2 (``half`` has it at 1): it becomes the cfg axis; longer, it is
+    split into a ``cfg`` axis of 2 in front of it (row-major device order: each half a contiguous
+    block). ``wan_sharding.compile.cfg.group_plan`` of the result is ``half`` again."""
+    i = half.axis_names.index(cut_axis)
+    shape, names = list(half.mesh_shape), list(half.axis_names)
+    if shape[i] == 1:
+        shape[i] = 2
+        cfg_axes = (cut_axis,)
+    else:
+        shape[i:i] = [2]
+        names[i:i] = [CFG_AXIS]
+        cfg_axes = (CFG_AXIS,)
+    return ShardingPlan(tuple(shape), tuple(names), half.sp_axes, half.tp_axes, half.fsdp, half.layout, half.padding,
+                        cfg_axes)
+
+
 def signature(plan: ShardingPlan, cfg_axis: str | None = None) -> tuple:
     """What the compiled program depends on: axis sets per role (their order inside a role does
     not change tt-mlir's collectives), FSDP, layout, padding; and the CFG cut, if any."""
@@ -197,6 +233,8 @@ def build_candidates(work: Workload, mesh_shape: Sequence[int], dram_bytes: floa
                                    f"{dram_bytes / 1e9:.1f} GB usable "
                                    f"(weights {cand.memory.weights / 1e9:.1f} GB"
                                    + ("" if plan.fsdp or plan.mesh().sp == 1 else "; FSDP would divide them by SP")
+                                   + (f"; CFG split: each half holds every expert whole at TP {plan.mesh().tp}"
+                                      if cfg_axis else "")
                                    + ")")
         out.append(cand)
     return out

@@ -11,6 +11,13 @@ Both are costed op by op (:mod:`wan_sharding.planner.ir_cost`) and scaled to the
 
 A plan tt-mlir rejects is a measured outcome: it is reported with the compiler's error, not
 dropped.
+
+A CFG split's plan (``cfg_axes``) compiles as ``wan-sharding compile`` compiles it
+(:func:`wan_sharding.compile.cfg.compile_request`): one program with cond + uncond rows on a 2-D
+mesh, the group's program on a 3-D one (tt-mlir takes 1-D and 2-D meshes only). Either way the
+program runs both branches of a step at once, so it is costed as a step, and per forward as half
+of it (:func:`amortise_cfg`); a plan without cfg runs 2 forwards per step (guidance on). The unit
+every plan is ranked on is the denoising step (``seconds_per_step``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..compile.bill import per_block_bill, tile_alignment
+from ..compile.cfg import SEQUENTIAL_FORWARDS_PER_STEP, compile_request, request_cfg
 from ..compile.request import CompileRequest, CompileResult
 from ..compile.runner import compile_many
 from ..compile.ttnn_ir import TTNNModule
@@ -47,6 +55,23 @@ class CompiledEstimate:
     padded_tokens: int | None = None
     scores_materialised_gb: float = 0.0  # largest score tensor in the compiled program (compile-only SDPA)
     tile_aligned: bool | None = None
+    cfg_how: str | None = None  # CFG split: "one program" or "per group" (wan_sharding.compile.cfg)
+    compiled_mesh: tuple[int, ...] = ()  # the mesh of the program tt-mlir compiled
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        """A denoising step with guidance on: 2 forwards without cfg; one program of both branches
+        (2 amortised forwards) with it."""
+        return None if self.seconds_per_forward is None else SEQUENTIAL_FORWARDS_PER_STEP * self.seconds_per_forward
+
+    def per_step(self, layers: int) -> dict[str, float] | None:
+        """Per device per step at ``layers`` blocks: collectives, bytes they move (results), seconds."""
+        if not self.ok or self.per_block is None or self.per_forward is None:
+            return None
+        whole = self.per_forward.plus(self.per_block.scaled(layers)).scaled(SEQUENTIAL_FORWARDS_PER_STEP)
+        return {"collectives": round(sum(whole.comm_counts.values()), 3),
+                "collective_gb": round(sum(whole.comm_bytes.values()) / 1e9, 4),
+                "comm_seconds": round(whole.communication, 4), "seconds": round(whole.total, 4)}
 
     def short_error(self) -> str:
         """The compiler's message, without the exception class and call-site noise."""
@@ -64,6 +89,8 @@ class CompiledEstimate:
             out["error"] = self.short_error()
             return out
         out.update(seconds_per_forward=round(self.seconds_per_forward or 0.0, 4),
+                   seconds_per_step=round(self.seconds_per_step or 0.0, 4), cfg_how=self.cfg_how,
+                   compiled_mesh=list(self.compiled_mesh),
                    per_block=self.per_block.to_json() if self.per_block else None,
                    per_forward=self.per_forward.to_json() if self.per_forward else None,
                    bill=self.bill, bill_counts=self.bill_counts, padded_tokens=self.padded_tokens,
@@ -81,12 +108,13 @@ PLANNER_COMPILE = dict(composites="sdpa", compile_options={"optimization_level":
 
 def requests_for(work: Workload, plan: ShardingPlan, out_dir: Path | None = None,
                  depths: Sequence[int] = DEPTHS) -> list[CompileRequest]:
-    """The full-width proxies of ``plan`` at ``depths`` blocks."""
+    """The full-width proxies of ``plan`` at ``depths`` blocks (a cfg plan's as
+    :func:`wan_sharding.compile.cfg.compile_request` makes them: batch 1 per branch)."""
     reqs = []
     for d in depths:
         sub = None if out_dir is None else str(out_dir / f"{d}blk")
-        reqs.append(CompileRequest.for_plan(plan, variant=work.variant, latent=work.latent, blocks=d, size="full",
-                                            resolution=work.resolution, out_dir=sub, **PLANNER_COMPILE))
+        reqs.append(compile_request(plan, 1, variant=work.variant, latent=work.latent, blocks=d, size="full",
+                                    resolution=work.resolution, out_dir=sub, **PLANNER_COMPILE))
     return reqs
 
 
@@ -96,7 +124,8 @@ def evaluate(work: Workload, plans: Sequence[ShardingPlan], chip: Chip, fabric: 
              progress: Callable[[str], None] | None = None) -> list[CompiledEstimate]:
     """Compile every plan at 1 and 2 blocks and cost it; one :class:`CompiledEstimate` per plan.
 
-    ``fabric``: one for every plan, or one per plan (a CFG split's half mesh has its own).
+    ``fabric``: one for every plan, or one per plan: the fabric of the mesh its program is
+    compiled for (a CFG split compiled per group: its half mesh's).
     One worker process compiles the whole batch (its ~20 s start-up is paid once). Two workers side
     by side were tried and dropped: the plugin's first-use unpacking of its runtime files is not
     safe against a second process doing the same ("failed to extract embedded tt-metal runtime
@@ -139,10 +168,11 @@ def estimate_from_results(work: Workload, plan: ShardingPlan, shallow: CompileRe
     failed = next((r for r in (shallow, deep) if not r.ok), None)
     if failed is not None:
         return CompiledEstimate(False, error=failed.error or "compile failed", compile_seconds=secs)
-    mesh = plan.mesh()
+    compiled_plan = deep.request.plan or plan  # a 3-D cfg plan compiles its group's plan
+    mesh = compiled_plan.mesh()
     shapes = Shapes(work.tokens, int(deep.padded_tokens or work.tokens), mesh.sp, work.prompt_tokens)
-    kw = dict(chip=chip, fabric=fabric, mesh_shape=plan.mesh_shape, axis_names=plan.axis_names, shapes=shapes,
-              attention=attention)
+    kw = dict(chip=chip, fabric=fabric, mesh_shape=compiled_plan.mesh_shape, axis_names=compiled_plan.axis_names,
+              shapes=shapes, attention=attention)
     d1, d2 = shallow.request.num_blocks, deep.request.num_blocks
     m1, m2 = TTNNModule.from_file(shallow.ttnn_path), TTNNModule.from_file(deep.ttnn_path)
     c1, c2 = cost_ops(parse_ops(m1), **kw), cost_ops(parse_ops(m2), **kw)
@@ -157,4 +187,10 @@ def estimate_from_results(work: Workload, plan: ShardingPlan, shallow: CompileRe
                             bill=[e.to_json() for e in bill.entries], bill_counts=bill.counts(), compile_seconds=secs,
                             ttnn_paths=(shallow.ttnn_path, deep.ttnn_path), padded_tokens=deep.padded_tokens,
                             scores_materialised_gb=max(c1.score_bytes_max, c2.score_bytes_max) / 1e9,
-                            tile_aligned=tiles)
+                            tile_aligned=tiles, cfg_how=compile_how(deep.request),
+                            compiled_mesh=tuple(compiled_plan.mesh_shape))
+
+
+def compile_how(req: CompileRequest) -> str | None:
+    """How a request compiles its cfg plan (None without cfg)."""
+    return request_cfg(req).how

@@ -65,7 +65,7 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
         f"{cnt['compiled']} compiled with tt-mlir, {cnt['compiled_ok']} accepted",
         "",
     ]
-    head = (f"{'#':>3}  {'plan':<50} {'GB/chip':>7}  {'s/fwd':>7} {'src':<3}  "
+    head = (f"{'#':>3}  {'plan':<50} {'GB/chip':>7}  {'s/step':>7} {'src':<3}  "
             f"{'per-block bill (per device)':<38}  why it lost")
     lines.append(head)
     lines.append("-" * len(head))
@@ -75,7 +75,7 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
     illegal = [c for c in ranked if c["stage"] == "illegal"]
     shown += pruned[: max(rows - len(shown), 3)]
     for c in shown:
-        est = c["estimated_seconds_per_forward"]
+        est = c["estimated_seconds_per_step"]
         src = {"compiled": "tt", "no-compile": "--", "analytic": "an"}[c["stage"]]
         mem = f"{c['memory_per_chip_gb']:.1f}" if c["memory_per_chip_gb"] is not None else "-"
         secs = f"{est:.2f}" if est is not None and c["stage"] != "no-compile" else "-"
@@ -87,9 +87,22 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
     if illegal:
         reasons = Counter(_reason_class(c["why_lost"]) for c in illegal)
         lines.append(f"     {len(illegal)} illegal: " + "; ".join(f"{n} x {r}" for r, n in reasons.most_common()))
+        cfg_out = [c for c in illegal if c.get("cfg_split")]
+        if cfg_out and not any(c.get("cfg_split") for c in shown):  # no split ranked: say why each is out
+            lines.append(f"     CFG splits: all {len(cfg_out)} illegal, e.g.:")
+            lines += [f"       {c['name']}: {c['why_lost']}" for c in cfg_out[:3]]
     lines.append("")
     lines.append("src: tt = costed from the compiled TTNN program (1- and 2-block proxies scaled to "
                  f"{w['layers']} blocks), an = analytic stage 1, -- = tt-mlir rejected it")
+    lines.append("s/step: one denoising step with guidance on: 2 forwards (cond, then uncond) without cfg; with "
+                 "+ cfg2[axis] one program, both branches at once, one per half of the mesh")
+    cfg = [c for c in shown if c.get("cfg_split")]
+    for c in cfg:
+        step = c.get("per_step")
+        lines.append(f"  #{c['rank']} as a plan on {c['cfg_split'].get('mesh', '?')}, cfg axis "
+                     f"{'+'.join(c['cfg_split']['plan']['cfg_axes'])}: [{c['cfg_split']['plan_name']}], compiled "
+                     f"{c['cfg_split']['compiled_as']}" + (f"; per step per device {step['collectives']:g} collectives, "
+                                                            f"{step['collective_gb']:g} GB moved" if step else ""))
     rec = data["recommended"]
     if not data["compiled_stage"]:
         lines.append("analytic only (--no-compile): nothing here was checked by tt-mlir, which rejects some plans "
@@ -106,11 +119,13 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
             f"{'+'.join(rec['mesh_axes']['tp']) or '-'}, FSDP {'on' if rec['fsdp'] else 'off'}, "
             f"{rec['layout']} D between Megatron pairs, padding {rec['padding']}"
             + (f"; CFG split on {rec['cfg_split']['axis']}: cond and uncond at once, one per "
-               f"{'x'.join(map(str, rec['cfg_split']['half_mesh']))} half" if rec.get("cfg_split") else ""),
+               f"{'x'.join(map(str, rec['cfg_split']['half_mesh']))} half (plan "
+               f"[{rec['cfg_split']['plan_name']}])" if rec.get("cfg_split") else ""),
             f"  memory per chip {rec['memory_per_chip_gb']:.2f} GB of {data['chip']['dram_gb']:g} (weights "
             f"{mem['weights_gb']:.2f}, FSDP working set {mem['fsdp_gathered_gb']:.2f}, activations "
             f"{mem['activations_gb']:.2f}, gathered K/V {mem['kv_gathered_gb']:.2f})",
-            f"  estimated {rec['estimated_seconds_per_forward']:.2f} s per DiT forward"
+            f"  estimated {rec['estimated_seconds_per_step']:.2f} s per denoising step "
+            f"({rec['estimated_seconds_per_forward']:.2f} s per DiT forward or half-step)"
             + (f" (compiled: per block {comp['per_block']['seconds'] * 1e3:.0f} ms = compute "
                f"{comp['per_block']['compute_seconds'] * 1e3:.0f} + comm "
                f"{(comp['per_block']['seconds'] - comp['per_block']['compute_seconds']) * 1e3:.0f}; "

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..compile.cfg import ONE_PROGRAM, SEQUENTIAL_FORWARDS_PER_STEP, cfg_compile
 from ..mesh import PHYSICAL_AXIS_NAMES, MeshError, parse_mesh_shape
 from ..systems import tt_mlir_rejects
 from ..plan import ShardingPlan
@@ -56,6 +57,12 @@ class PlanReport:
             return c.analytic.seconds_per_forward
         return None
 
+    def estimated_seconds_per_step(self, c: Candidate) -> float | None:
+        """:meth:`estimated_seconds` per denoising step with guidance on: 2 forwards without cfg,
+        one program of both branches with it (its per-forward figure is half a step)."""
+        est = self.estimated_seconds(c)
+        return None if est is None else SEQUENTIAL_FORWARDS_PER_STEP * est
+
     def stage(self, c: Candidate) -> str:
         if c.duplicate_of:
             return "duplicate"
@@ -75,8 +82,11 @@ class PlanReport:
             "rank": rank, "name": c.name, "stage": self.stage(c), "plan": c.plan.to_dict(),
             "cfg_split": None if not c.cfg_axis else {
                 "axis": c.cfg_axis, "parts": c.cfg_parts, "half_mesh": list(c.plan.mesh_shape),
-                "note": "cond and uncond forwards run at once, one per half; times are per forward "
-                        "(half a denoising step)"},
+                "plan": c.cfg_plan.to_dict(), "plan_name": c.cfg_plan.name,
+                "mesh": " x ".join(f"{n}={s}" for n, s in zip(c.cfg_plan.axis_names, c.cfg_plan.mesh_shape)),
+                "compiled_as": cfg_compile(c.cfg_plan).how,
+                "note": "cond and uncond forwards run at once, one per half: a step is one program; per forward "
+                        "figures are half of it"},
             "sp": m.sp, "tp": m.tp, "mesh_axes": {"names": list(c.plan.axis_names), "shape": list(c.plan.mesh_shape),
                                                   "sp": list(c.plan.sp_axes), "tp": list(c.plan.tp_axes)},
             "fsdp": c.plan.fsdp, "layout": c.plan.layout, "padding": c.plan.padding,
@@ -84,6 +94,9 @@ class PlanReport:
             "memory_per_chip_gb": round(c.memory.total / 1e9, 3) if c.memory else None,
             "memory": c.memory.to_json() if c.memory else None,
             "estimated_seconds_per_forward": None if est is None else round(est, 4),
+            "estimated_seconds_per_step": None if est is None else round(SEQUENTIAL_FORWARDS_PER_STEP * est, 4),
+            "forwards_per_step": 1 if c.cfg_axis else SEQUENTIAL_FORWARDS_PER_STEP,
+            "per_step": c.compiled.per_step(self.work.layers) if c.compiled is not None else None,
             "analytic": c.analytic.to_json() if c.analytic else None,
             "compiled": c.compiled.to_json() if c.compiled else None,
             "why_lost": why_lost(self, c),
@@ -149,6 +162,14 @@ def candidate_fabric(fabric: Fabric, c: Candidate) -> Fabric:
     return sub_fabric(fabric, PHYSICAL_AXIS_NAMES.index(c.cfg_axis), c.cfg_parts)
 
 
+def compile_fabric(fabric: Fabric, c: Candidate) -> Fabric:
+    """The fabric of the mesh ``c``'s program is compiled for: the whole machine for a CFG split
+    compiled as one program (2-D cfg mesh), its half for one compiled per group."""
+    if c.cfg_axis and cfg_compile(c.cfg_plan).how == ONE_PROGRAM:
+        return fabric
+    return candidate_fabric(fabric, c)
+
+
 def cfg_exchange(work: Workload, fabric: Fabric, c: Candidate) -> tuple[str, float]:
     """``(key, seconds)`` of one step's exchange between the halves of a CFG split: every device
     swaps its 1/N share of the noise prediction with its partner in the other half (the device half
@@ -194,9 +215,10 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         max_rounds: compile batches at most (a batch is topped up when plans fail to compile).
         keep: restrict the search to the plans this accepts (e.g. ``lambda p: p.padding == "mask"``).
         cfg_split: also rank CFG splits (cond and uncond forwards at once on the two halves of an
-            axis; :mod:`~wan_sharding.planner.candidates`). Times are then per forward, i.e. half a
-            denoising step, for every plan. Off by default: a what-if, since ``shard_pipeline`` runs
-            the two forwards one after the other on the whole mesh and cannot run such a plan.
+            axis; :mod:`~wan_sharding.planner.candidates`), each a real plan with ``cfg_axes``
+            (``Candidate.cfg_plan``). Every plan is ranked per denoising step (guidance on: 2
+            forwards without cfg, 1 program of both branches with it); per-forward figures are
+            half a step. Off by default (it roughly doubles the candidates).
         progress: called with a line of text at each step.
 
     Returns:
@@ -251,8 +273,17 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
             if want <= 0:
                 break
             batch, queue = queue[:want], queue[want:]
+            if cfg_split and not rounds:
+                # both layouts compiled, compared on the same unit: the best CFG split and the best
+                # whole-mesh plan join the first batch when stage 1 left either out of the top
+                for split in (True, False):
+                    if not any(bool(c.cfg_axis) == split for c in batch):
+                        best = next((c for c in queue if bool(c.cfg_axis) == split), None)
+                        if best is not None:
+                            batch.append(best)
+                            queue.remove(best)
             rounds += 1
-            results = compiled.evaluate(work, [c.plan for c in batch], chip, [candidate_fabric(fabric, c) for c in batch],
+            results = compiled.evaluate(work, [c.full_plan for c in batch], chip, [compile_fabric(fabric, c) for c in batch],
                                         work_dir=root / f"round_{rounds}", attention=attention, timeout=timeout,
                                         progress=say)
             for c, r in zip(batch, results):
@@ -260,7 +291,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                     r = compiled.amortise_cfg(r, work.layers, c.cfg_parts, *cfg_exchange(work, fabric, c))
                 c.compiled = r
                 compiled_list.append(c)
-                say(f"  {c.name}: " + (f"{r.seconds_per_forward:.2f} s/forward" if r.ok
+                say(f"  {c.name}: " + (f"{r.seconds_per_step:.2f} s/step" if r.ok
                                        else f"does not compile: {r.short_error()[:120]}"))
         timings["stage2"] = time.perf_counter() - t2
     ok_compiled = [c for c in compiled_list if c.compiled.ok]

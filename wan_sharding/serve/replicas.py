@@ -66,8 +66,9 @@ def _axes(role: Any) -> tuple[str, ...]:
 
 def _split_axis(mesh: MeshSpec, n: int, heads: int) -> str | None:
     """The axis ``n`` replicas split, or None when none can."""
-    sp, tp = _axes(mesh.sp_axis), _axes(mesh.tp_axis)
-    free = tuple(a for a in mesh.axis_names if a not in sp + tp)
+    sp, tp, cfg = _axes(mesh.sp_axis), _axes(mesh.tp_axis), _axes(mesh.cfg_axis)
+    # never the cfg axis: each replica keeps its two guidance groups
+    free = tuple(a for a in mesh.axis_names if a not in sp + tp + cfg)
     for axis in free + sp + tp:
         size = mesh.axis_size(axis)
         if size % n:
