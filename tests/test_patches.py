@@ -423,6 +423,9 @@ def test_generate_shards_a_patched_pipeline_and_matches_the_vanilla_one(tmp_path
     summary = json.loads(next(out.glob("*.json")).read_text())
     assert summary["patches"] == ["rope", "qkv", "patchify"]
     assert summary["pcc_ok"] and summary["max_abs"] < 1e-4, summary
+    # graded as one forward is: fp32 PCC and the max-abs bound, both printed
+    assert (summary["pcc_threshold"], summary["max_abs_bound"]) == (0.99999, 1e-4), summary
+    assert "(within PCC >= 0.99999, max|diff| <= 1e-04)" in proc.stdout, proc.stdout[-2000:]
 
 
 # ---- prompt_kv: K / V once per prompt ------------------------------------------------------------

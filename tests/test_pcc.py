@@ -104,3 +104,20 @@ def test_jax_program_has_the_designed_collectives(results, mesh):
     coll = results("jax", mesh)[str(Case("t2v-a14b", "padded", "fp32", "mask"))]["collectives"]
     assert coll.get("all-reduce") == 7 * 2 + 2
     assert coll.get("all-gather", 0) == (2 * 2 + 1 if mesh_from_preset(mesh).sp > 1 else 0)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_the_grade_the_commands_print_is_the_standard_one(pipeline):
+    """``check`` and ``generate --compare`` grade a sharded result on CPU by fp32 PCC >= 0.99999 and
+    max |difference| <= 1e-4 (a forward and a whole loop alike), bf16 by PCC >= 0.99; the chips by
+    their own PCC table alone. A result with PCC ~1 whose largest difference is a leaked padded key's
+    (~1e-3) fails."""
+    from wan_sharding.jobs.pcc import grade
+
+    for backend in BACKENDS:
+        fp32, bf16 = grade(backend, "fp32", pipeline), grade(backend, "bf16", pipeline)
+        assert (fp32.pcc, fp32.max_abs, bf16.pcc, bf16.max_abs) == (0.99999, 1e-4, 0.99, None)
+        assert fp32.passes(0.9999999, 3e-6) and not fp32.passes(0.9999999, 1e-3) and not fp32.passes(0.9999, 3e-6)
+        assert str(fp32) == "PCC >= 0.99999, max|diff| <= 1e-04"
+    tt = grade("tt", "fp32", pipeline)
+    assert tt.max_abs is None and tt.pcc == (0.97 if pipeline else 0.99) and tt.passes(tt.pcc, 1.0)

@@ -63,7 +63,7 @@ def test_recommended_plan_runs_the_pipeline_exactly(runs, backend, system):
     plan = PLANS[system]
     key = "jax" if backend == "jax" else f"xla-{plan.mesh().num_devices}"
     r = next(x for x in runs[key].result() if x["plan"] == plan.name)
-    assert r["max_abs"] <= MAX_ABS and r["pcc"] >= 0.9999, r
+    assert r["max_abs"] <= MAX_ABS and r["pcc"] >= 0.99999, r
     assert r["padding"] == plan.padding and r["fsdp"] == plan.fsdp and r["restored"]
     for expert, m in r["memory"].items():
         assert abs(m["placed_max"] / m["predicted"] - 1) <= BYTES_TOLERANCE, (expert, m)

@@ -24,7 +24,7 @@ from wan_sharding.plan import ShardingPlan
 from wan_sharding.planner import analytic, hardware
 from wan_sharding.planner.candidates import (AXIS_NAMES, build_candidates, enumerate_plans, padding_options,
                                              structural_reason)
-from wan_sharding.planner.report import EXIT_ERROR, EXIT_OK, format_report
+from wan_sharding.planner.report import EXIT_OK, format_report
 from wan_sharding.planner.search import PlanReport, _meta_dit, plan_sharding, weight_bytes_per_expert
 from wan_sharding.planner.workload import Workload
 

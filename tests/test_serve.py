@@ -149,11 +149,13 @@ def mp4_frames(data: bytes, tmp: Path) -> list:
     H.264 MP4 (``ftyp`` first, the index before the media: faststart) decodes to all of them."""
     import imageio
 
+    from wan_sharding.pipeline.video import ffmpeg_in_this_process_group  # no fork-and-run-Python beside JAX
+
     boxes = mp4_boxes(data)
     assert boxes[0] == b"ftyp" and boxes.index(b"moov") < boxes.index(b"mdat"), boxes
     path = tmp / "check.mp4"
     path.write_bytes(data)
-    with imageio.get_reader(path, format="FFMPEG") as reader:
+    with ffmpeg_in_this_process_group(), imageio.get_reader(path, format="FFMPEG") as reader:
         assert reader.get_meta_data()["codec"] == "h264"
         return [frame for frame in reader]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 # The rules a request shares with the server live in jobs.requests; re-exported here for the commands.
 from ..jobs.requests import (PATCH, UsageError, check_counts, check_video, checked_option, positive_int,  # noqa: F401
-                             read_json_file, video_factors)
+                             read_json_file)
 
 
 # ---- argparse types: a bad value is an argparse error (one line, exit 2) --------------------------

@@ -176,7 +176,6 @@ class CompileRequest:
         if self.frontend not in FRONTENDS:
             raise CompileError(f"unknown frontend {self.frontend!r}; choose one of {', '.join(FRONTENDS)}")
         from .composites import COMPOSITE_SETS
-        from .options import CompileOptions
 
         if self.composites not in COMPOSITE_SETS:
             raise CompileError(f"unknown composite set {self.composites!r}; choose one of {', '.join(COMPOSITE_SETS)}")

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 from ..options import DEFAULT_PADDING
 from ..workers import WorkerError, run_worker, worker_main
 from .launch import plan_devices, prepare_worker, stall_seconds, worker_env
-from .pcc import compare, pcc_thresholds
+from .pcc import compare, grade
 
 # Latent shapes of the embedded tiny cases. ``aligned``: 256 tokens, a multiple of SP*32 for every
 # preset up to SP 8. ``padded``: 105 tokens, padded to 128 (SP 1, 2) or 256 (SP 8).
@@ -72,8 +72,9 @@ class Case:
 def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path | None = None,
                       timeout: float = 1200, plan: Any = None) -> list[dict[str, Any]]:
     """Run ``cases`` for one backend on one mesh in a fresh process; returns the result dicts,
-    each with ``ok``: PCC at or above the dtype's threshold (``threshold``; on ``tt`` the hardware
-    table, :func:`~wan_sharding.jobs.pcc.pcc_thresholds`). BackendError, before any process
+    each with ``ok``: PCC at or above the dtype's threshold (``threshold``) and, fp32 on CPU, the
+    largest |difference| within ``max_abs_bound`` (:func:`~wan_sharding.jobs.pcc.grade`; on ``tt``
+    the hardware PCC table alone). BackendError, before any process
     starts, when the backend's stack is missing (``tt`` without Tenstorrent's stack).
     ``plan``: a ShardingPlan applied instead of the preset's roles (``mesh`` is then its mesh name;
     each case's padding must be the plan's)."""
@@ -86,10 +87,10 @@ def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path
                      label=f"{backend} check worker on {mesh}", timeout=timeout, stall_s=stall_seconds(backend))
     if not run.ok:
         raise WorkerError(f"{backend} worker on {mesh} failed (exit {run.returncode}):\n{run.output[-4000:]}")
-    thresholds = pcc_thresholds(backend)  # tt: the hardware table (tt vs the CPU reference)
     for r in run.results:
-        r["threshold"] = thresholds[r["dtype"]]
-        r["ok"] = r["pcc"] >= r["threshold"]
+        g = grade(backend, r["dtype"])  # tt: the hardware table (tt vs the CPU reference)
+        r["threshold"], r["max_abs_bound"] = g.pcc, g.max_abs
+        r["ok"] = g.passes(r["pcc"], r["max_abs"])
     return run.results
 
 

@@ -26,7 +26,7 @@ from ..options import DEFAULT_PADDING, torch_dtype
 from ..plan import ShardingPlan
 from ..workers import WorkerError, WorkerRun, atomic_write, emit, run_worker, worker_main
 from .launch import mesh_arg, num_devices, plan_devices, plan_mesh_arg, prepare_worker, stall_seconds, worker_env
-from .pcc import compare, pcc_thresholds
+from .pcc import compare, grade
 
 WORKER = "wan_sharding.jobs.generate"
 
@@ -201,8 +201,9 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     if reference is not None:
         against = cached_reference if cached_reference is not None else reference
         value, max_abs = compare(against, latents)
-        threshold = pcc_thresholds(p["backend"], pipeline=True)[dtype_name]  # tt: the hardware table
-        result.update(pcc=value, max_abs=max_abs, pcc_threshold=threshold, pcc_ok=value >= threshold)
+        bound = grade(p["backend"], dtype_name, pipeline=True)  # tt: the hardware table
+        result.update(pcc=value, max_abs=max_abs, pcc_threshold=bound.pcc, max_abs_bound=bound.max_abs,
+                      pcc_ok=bound.passes(value, max_abs))
         what = f"unsharded with {cache}" if cached_reference is not None else "unsharded"
         if cached_reference is not None:
             same = {n: e["decisions"] for n, e in result["cache_stats"].items()} == \
@@ -211,7 +212,7 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
             print(f"  compare: cache decisions {'identical to' if same else 'DIFFER from'} the unsharded run's",
                   flush=True)
         print(f"  compare: final latents sharded vs {what} PCC {value:.9f}, max|diff| {max_abs:.2e} "
-              f"({'ok' if result['pcc_ok'] else 'BELOW'} threshold {threshold})", flush=True)
+              f"({'within' if result['pcc_ok'] else 'OUTSIDE'} {bound})", flush=True)
     atomic_write(result["summary"], json.dumps(result, indent=1) + "\n")
     print(f"  video: {video}  summary: {result['summary']}", flush=True)
     return [result]

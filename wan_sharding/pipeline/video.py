@@ -14,7 +14,10 @@ the same bytes on every run (a server's video before and after its worker is rep
 from __future__ import annotations
 
 import importlib.util
+import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from ..workers import atomic_path
 
@@ -33,6 +36,26 @@ def mp4_encoder_missing() -> str | None:
     if not missing:
         return None
     return f"MP4 output needs {' and '.join(missing)} (dependencies of wan-sharding: pip install {' '.join(missing)})"
+
+
+@contextmanager
+def ffmpeg_in_this_process_group() -> Iterator[None]:
+    """Within: imageio-ffmpeg starts ffmpeg as a plain child. By default it passes
+    ``preexec_fn=os.setpgrp`` (to keep a terminal's Ctrl-C from ffmpeg), which makes CPython fork
+    and run Python in the child: unsafe beside JAX's threads ("os.fork() was called ... will likely
+    lead to a deadlock"), and it puts ffmpeg outside the worker's process group, where stopping the
+    group does not reach it. imageio-ffmpeg's own switch turns that off; what it costs is that a
+    Ctrl-C reaching the group stops ffmpeg too, which the atomic write already covers."""
+    key = "IMAGEIO_FFMPEG_NO_PREVENT_SIGINT"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def _uint8(frames):
@@ -69,7 +92,7 @@ def write_video(frames, stem: Path, fps: int = 8, video_format: str = "mp4") -> 
     import imageio
 
     target = stem.with_suffix(".mp4")
-    with atomic_path(target, suffix=".partial.mp4") as tmp:
+    with atomic_path(target, suffix=".partial.mp4") as tmp, ffmpeg_in_this_process_group():
         # yuv420p: what players decode; sizes must then be even, and the pipelines' are multiples of 16.
         with imageio.get_writer(str(tmp), format="FFMPEG", mode="I", fps=fps, codec="libx264", quality=None,
                                 pixelformat="yuv420p", macro_block_size=16, ffmpeg_log_level="error",
