@@ -28,6 +28,7 @@ its source below (``PLUGIN_KEYS``).
 
 import sys
 import types
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -419,7 +420,7 @@ GRAPH_CASES = ["t2v-a14b:fp32:mask", "t2v-a14b:fp32:slice", "t2v-a14b:bf16:mask"
 MODELS = 10  # more than dynamo's recompile limit (8)
 
 
-def _tt_graphs(preset: str, devices: int, models: int, cases: list[str]) -> dict:
+def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tuple[str, ...] = ()) -> dict:
     import json
     import subprocess
     from pathlib import Path
@@ -427,25 +428,38 @@ def _tt_graphs(preset: str, devices: int, models: int, cases: list[str]) -> dict
     from wan_sharding.jobs.launch import worker_env
 
     script = Path(__file__).with_name("tt_graphs.py")
-    proc = subprocess.run([sys.executable, str(script), preset, str(models), *cases], env=worker_env("xla", devices),
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(script), preset, parts, str(models), *cases],
+                          env=worker_env("xla", devices), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):])
 
 
 @pytest.fixture(scope="module")
-def dynamo_run():
-    """One torch-xla CPU process (``tt_graphs.py``) on the 2x4 mesh: every GRAPH_CASE compiled by
-    real dynamo with a graph-counting backend and a tt-style constraint op standing in for tt_torch
-    (which cannot be installed here; see that file), then MODELS models compiled one after another."""
-    return _tt_graphs("2x4", 8, MODELS, GRAPH_CASES)
+def dynamo_runs():
+    """torch-xla CPU processes (``tt_graphs.py``), two at a time (each is mostly one core's work):
+    on the 2x4 mesh every GRAPH_CASE compiled by real dynamo with a graph-counting backend and a
+    tt-style constraint op standing in for tt_torch (which cannot be installed here; see that file),
+    the prompt states, then MODELS models one after another (it ends at a recompile limit of 1); the caches' forwards apart; the 1x4 mesh
+    (TP only), one case, in a 4-device process."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {"2x4": pool.submit(_tt_graphs, "2x4", 8, "cases,prompt,models", MODELS, tuple(GRAPH_CASES)),
+               "2x4-cached": pool.submit(_tt_graphs, "2x4", 8, "cached"),
+               "1x4": pool.submit(_tt_graphs, "1x4", 4, "cases", 0, (GRAPH_CASES[0],))}
+    yield futures
+    pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")
-def dynamo_run_1x4():
-    """The same on the 1x4 mesh (TP only), one case, in a 4-device process."""
-    return _tt_graphs("1x4", 4, 0, [GRAPH_CASES[0]])
+def dynamo_run(dynamo_runs):
+    """What the 2x4 processes found: ``cases``, ``models``, ``prompt`` and ``cached``."""
+    return {**dynamo_runs["2x4"].result(), **dynamo_runs["2x4-cached"].result()}
+
+
+@pytest.fixture(scope="module")
+def dynamo_run_1x4(dynamo_runs):
+    """The same on the 1x4 mesh: ``cases`` for the first GRAPH_CASE."""
+    return dynamo_runs["1x4"].result()
 
 
 @pytest.mark.parametrize("case", GRAPH_CASES)

@@ -20,9 +20,10 @@ For each graph it records the constraints and, apart, the RMSNorm pins: for ever
 node (what tt-xla's pass marks ``tenstorrent.rms_norm``), the constraint feeding it and the two on
 its result, when they are there.
 
-Usage: ``python tt_graphs.py MESH N CASE...``: on the mesh preset MESH (the process has its
-devices), each CASE (``variant:dtype:padding[:patch+patch]``) compiled, counted and compared with
-the unsharded model on the CPU, then ``N`` models in one process (``N`` 0: none).
+Usage: ``python tt_graphs.py MESH PARTS N CASE...``: on the mesh preset MESH (the process has its
+devices), the PARTS named (comma-separated: ``cases``, each CASE ``variant:dtype:padding[:patch+patch]``
+compiled, counted and compared with the unsharded model on the CPU; ``models``, ``N`` models in one
+process; ``cached``; ``prompt``). The test runs the parts in two processes at once.
 """
 
 import json
@@ -386,7 +387,7 @@ def prompt_states(preset: str) -> dict:
 
 
 if __name__ == "__main__":
-    preset, n, *cases = sys.argv[1:]
-    result = {"cases": graphs(preset, cases), "models": models(int(n)) if int(n) else None,
-              "cached": cached(preset) if int(n) else None, "prompt": prompt_states(preset) if int(n) else None}
-    print("RESULT " + json.dumps(result))
+    preset, parts, n, *cases = sys.argv[1:]
+    run = {"cases": lambda: graphs(preset, cases), "models": lambda: models(int(n)),
+           "cached": lambda: cached(preset), "prompt": lambda: prompt_states(preset)}
+    print("RESULT " + json.dumps({part: run[part]() for part in parts.split(",")}))
