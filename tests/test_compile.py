@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,8 +60,36 @@ BATCH = {
 }
 
 
+# `wan-sharding compile` as a user runs it: the tiny model, 3x8x8 latent (48 tokens) on 8x4, unpadded
+# (6 tokens per device: not tile-aligned, so exit 1 while the bill itself matches) and with the mask.
+CLI_RUNS = {padding: ("compile", "--size", "tiny", "--latent", "3,8,8", "--mesh", "8x4", "--blocks", "2",
+                      "--padding", padding, "--json", *PLAIN_ARGS) for padding in ("none", "mask")}
+
+
+def _cli(out: Path, argv: tuple[str, ...]) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "wan_sharding.cli", *argv, "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (EXIT_OK, EXIT_CHECK_FAILED), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CompileResult]:
+def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Future]]:
+    """The command runs, started at once (each compile is mostly one core's work) and beside the
+    module's batch (``compiled``), which requests this fixture first."""
+    if sysdesc.installed_plugin_version() is None:
+        pytest.skip("jax-tt-plugin is not installed")
+    pool = ThreadPoolExecutor(max_workers=2)
+    runs = {}
+    for padding, argv in CLI_RUNS.items():
+        out = tmp_path_factory.mktemp(f"compile-cli-{padding}")
+        runs[padding] = (out, pool.submit(_cli, out, argv))
+    yield runs
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory, cli_runs) -> dict[str, CompileResult]:
     if sysdesc.installed_plugin_version() is None:
         pytest.skip("jax-tt-plugin is not installed")
     work = tmp_path_factory.mktemp("compile")
@@ -165,13 +196,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 @needs_plugin
-def test_compile_command_json_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compile_command_json_and_exit_code(cli_runs) -> None:
     # Tiny model, 3x8x8 latent: 48 tokens, 6 per device on SP 8 unpadded -> exit 1 (not aligned)
     # while the bill itself matches the design.
-    args = _parse(["compile", "--size", "tiny", "--latent", "3,8,8", "--mesh", "8x4", "--blocks", "2",
-                   "--padding", "none", "--out", str(tmp_path), "--json", *PLAIN_ARGS])
-    rc = args.func(args)
-    report = json.loads(capsys.readouterr().out)
+    out, run = cli_runs["none"]
+    rc, report = run.result()
     assert rc == EXIT_CHECK_FAILED, report
     for key in ("mesh", "resolution", "variant", "blocks", "padding", "compile_seconds", "ops", "per_block",
                 "bill_ok", "tile_aligned"):
@@ -182,17 +211,14 @@ def test_compile_command_json_and_exit_code(tmp_path: Path, capsys: pytest.Captu
                                       "experimental-enable-dram-space-saving-optimization": "false"}
     assert report["tile_aligned"] is False and report["token_dims"] == [6]
     assert report["ops"]["mesh_partition"] == 4
-    assert (tmp_path / "report.json").exists()
+    assert (out / "report.json").exists()
     assert report["padding_ops_per_block"] == {} and report["padding_ops_per_forward"] == {}
 
 
 @needs_plugin
-def test_compile_command_padding_mode_reports_what_padding_adds(capsys: pytest.CaptureFixture[str]) -> None:
+def test_compile_command_padding_mode_reports_what_padding_adds(cli_runs) -> None:
     # 48 tokens -> 256 on SP 8 with the key mask: aligned, bill as designed, nothing added per block.
-    args = _parse(["compile", "--size", "tiny", "--latent", "3,8,8", "--mesh", "8x4", "--blocks", "2",
-                   "--padding", "mask", "--json", *PLAIN_ARGS])
-    rc = args.func(args)
-    report = json.loads(capsys.readouterr().out)
+    rc, report = cli_runs["mask"][1].result()
     assert rc == EXIT_OK, report
     assert report["padding"] == "mask" and report["tile_aligned"] is True and report["token_dims"] == [32]
     assert report["padding_ops_per_block"] == {}
