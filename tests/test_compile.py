@@ -90,8 +90,7 @@ def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory, cli_runs) -> dict[str, CompileResult]:
-    if sysdesc.installed_plugin_version() is None:
-        pytest.skip("jax-tt-plugin is not installed")
+    # cli_runs (started first, to run beside this batch) skips when jax-tt-plugin is not installed
     work = tmp_path_factory.mktemp("compile")
     results = compile_many(list(BATCH.values()), "wormhole_b0", timeout=900, work_dir=work)
     return dict(zip(BATCH, results))

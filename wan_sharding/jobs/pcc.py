@@ -29,7 +29,8 @@ HARDWARE_PIPELINE_PCC_THRESHOLDS: dict[str, float] = {"fp32": 0.97, "bf16": 0.97
 
 def pcc_thresholds(backend: str, pipeline: bool = False) -> dict[str, float]:
     """The PCC a ``backend``'s output must reach against the unsharded CPU reference, by dtype:
-    the hardware table for ``tt``, the CPU-vs-CPU one otherwise."""
+    the hardware table for ``tt`` (a whole loop's, with ``pipeline``), the CPU-vs-CPU one otherwise
+    (a forward and a loop alike)."""
     if backend == "tt":
         return HARDWARE_PIPELINE_PCC_THRESHOLDS if pipeline else HARDWARE_PCC_THRESHOLDS
     return PCC_THRESHOLDS
