@@ -1,13 +1,15 @@
-"""The one composition: :func:`shard_dit` shards one Wan DiT in one fixed order, and undoes it.
+"""The one composition: every component is sharded in one fixed order, and undone in reverse.
 
-Every caller that shards a model (``shard_pipeline``, the ``check`` / ``profile`` / patches jobs,
-both compile frontends, the server's worker through ``shard_pipeline``) comes through here, so the
-order is written once::
+:func:`shard_module` writes the order once for any model (the DiT, the VAE, the text encoder);
+:func:`shard_dit` is the DiT's use of it. Every caller that shards a model (``shard_pipeline``, the
+``check`` / ``profile`` / patches jobs, both compile frontends, the server's worker through
+``shard_pipeline``) comes through here::
 
     resolve (mesh or plan, backend, padding, patches: once, checked against each other)
-      -> validate (Wan model, no SP hooks yet, TP specs, SP points, patch names): nothing changed yet
-      -> patches -> TP specs (of the patched model) -> placement -> SP hooks
-    DitHandle.remove(): SP hooks -> back to the host -> the backend's caches -> patches
+      -> validate (the component's own checks; for the DiT: Wan model, no SP hooks yet, TP specs,
+         SP points, patch names): nothing changed yet
+      -> rewrites (patches) -> specs (of the rewritten model) -> placement -> activation hooks
+    ShardHandle.remove(): hooks -> back to the host -> the backend's caches -> rewrites
 
 Like torchtitan's ``parallelize_llama`` (meshes resolved once, then ``apply_tp -> apply_cp -> ...``
 in one order) and diffusers' ``enable_parallelism`` (the parallel config set up once, read by every
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,7 +34,8 @@ from .patches import apply_patches, check_patches
 from .plan import PlanError, ShardingPlan
 from .specs import ShardingError, ShardSpecs, check_wan_model, shard_dit_specs
 
-__all__ = ["DitHandle", "OnResolved", "Resolved", "check_dit", "resolve", "shard_dit"]
+__all__ = ["DitHandle", "OnResolved", "Resolved", "ShardHandle", "check_dit", "host_tensors", "model_device", "resolve",
+           "shard_dit", "shard_module"]
 
 
 @dataclass(frozen=True)
@@ -160,43 +163,110 @@ class OnResolved:
 
 
 @dataclass(eq=False)
-class DitHandle(OnResolved):
-    """What :func:`shard_dit` did to one model; ``remove()`` undoes all of it, in reverse.
+class ShardHandle(OnResolved):
+    """What sharding one model did (any component: the DiT, the VAE, the text encoder);
+    ``remove()`` undoes all of it, in reverse of :func:`shard_module`'s order.
 
-    ``placed`` is what the backend's ``run`` takes (``backend.run(dit, handle.placed, **inputs)``),
-    ``specs`` every parameter's TP spec, ``sp`` the SP hooks' handle, ``patches`` the rewrites'
-    handle (or ``None``)."""
+    ``placed`` is what the backend's ``run`` / ``run_function`` take, ``specs`` every parameter's
+    spec, ``hooks`` the component's activation hooks (anything with ``remove()``, or ``None``),
+    ``rewrites`` the model rewrites' handle (or ``None``)."""
 
-    dit: torch.nn.Module
+    model: torch.nn.Module
     resolved: Resolved
     specs: ShardSpecs
     placed: Any = None
-    sp: SPHandle | None = None
-    patches: Any = None
+    hooks: Any = None
+    rewrites: Any = None
     original_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     moved: bool = False
     host_tensors: list | None = field(default=None, repr=False)  # (module, kind, name, tensor) before placement
     removed: bool = False
 
     def remove(self) -> None:
-        """SP hooks off, weights back on the host they came from (the very objects when they were
-        kept), the backend's compiled forwards for this model dropped, the patches undone."""
+        """Hooks off, weights back on the host they came from (the very objects when they were
+        kept), the backend's compiled programs for this model dropped, the rewrites undone."""
         if self.removed:
             return
-        if self.sp is not None:
-            self.sp.remove()  # first: a patch's processor is wrapped by SP's
+        if self.hooks is not None:
+            self.hooks.remove()  # first: a rewrite's processor is wrapped by the hooks' own
         if self.moved:
             _return_to_host(self)
-        self.backend.release(self.dit)
-        if self.patches is not None:
-            self.patches.remove()
+        self.backend.release(self.model)
+        if self.rewrites is not None:
+            self.rewrites.remove()
         self.removed = True
 
-    def __enter__(self) -> "DitHandle":
+    def __enter__(self) -> "ShardHandle":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+    def describe(self) -> dict[str, Any]:
+        """Summary for reports: backend, mesh, plan and how the parameters were split."""
+        return {"backend": self.backend.name, "mesh": self.mesh.name,
+                "plan": None if self.plan is None else self.plan.name, "params": self.specs.counts()}
+
+
+def shard_module(model: torch.nn.Module, resolved: Resolved, specs_of: Callable[[torch.nn.Module], ShardSpecs], *,
+                 hooks: Callable[[ShardHandle], Any] | None = None, rewrites: Callable[[], Any] | None = None,
+                 keep_host_weights: bool = True, handle_type: type[ShardHandle] = ShardHandle) -> ShardHandle:
+    """The one order every component is sharded in: rewrites -> specs (of the rewritten model) ->
+    placement -> hooks. A failure at any step undoes the steps before it, so the model is left as
+    it was.
+
+    Args:
+        model: the module, checked by the caller (nothing has been changed yet).
+        resolved: the request, from :func:`resolve`.
+        specs_of: the component's specs function (pure), called on the model after the rewrites.
+        hooks: installs the component's activation hooks on the placed model and returns their
+            handle (``remove()``); ``None``: none.
+        rewrites: applies the model rewrites and returns their handle; ``None``: none.
+        keep_host_weights: see :func:`shard_dit`.
+        handle_type: the handle class to return (:class:`ShardHandle` or a subclass).
+    """
+    undo_rewrites = rewrites() if rewrites is not None else None
+    try:
+        specs = specs_of(model)
+    except BaseException:
+        if undo_rewrites is not None:
+            undo_rewrites.remove()
+        raise
+    handle = handle_type(model, resolved, specs, rewrites=undo_rewrites, original_device=model_device(model),
+                         host_tensors=host_tensors(model) if keep_host_weights else None)
+    try:
+        handle.moved = True  # until known otherwise: remove() moves it back
+        handle.placed = resolved.backend.place(model, specs)
+        handle.moved = model_device(model) != handle.original_device
+        if not handle.moved:
+            handle.host_tensors = None  # nothing to put back (jax: the model stays where it is)
+        if hooks is not None:
+            handle.hooks = hooks(handle)
+    except BaseException:
+        handle.remove()
+        raise
+    return handle
+
+
+@dataclass(eq=False)
+class DitHandle(ShardHandle):
+    """What :func:`shard_dit` did to one DiT; ``remove()`` undoes all of it, in reverse.
+
+    ``placed`` is what the backend's ``run`` takes (``backend.run(dit, handle.placed, **inputs)``),
+    ``specs`` every parameter's TP spec, ``sp`` the SP hooks' handle, ``patches`` the rewrites'
+    handle (or ``None``)."""
+
+    @property
+    def dit(self) -> torch.nn.Module:
+        return self.model
+
+    @property
+    def sp(self) -> SPHandle | None:
+        return self.hooks
+
+    @property
+    def patches(self) -> Any:
+        return self.rewrites
 
     def describe(self) -> dict[str, Any]:
         """Summary for reports: backend, mesh, padding, parameter split, SP points and last token counts."""
@@ -247,28 +317,12 @@ def shard_dit(dit: torch.nn.Module, mesh_or_plan: Any = None, backend: str | Bac
     elif mesh_or_plan is not None or backend is not None or padding is not None or patches:
         raise ShardingError("shard_dit got a resolved request and request arguments too; pass one of them")
     check_dit(dit, resolved)
-
-    rewrites = apply_patches(dit, resolved.patches, mesh=resolved.mesh_or_plan) if resolved.patches else None
-    try:  # the specs of the patched model (some patches make new parameters)
-        specs = shard_dit_specs(dit, resolved.mesh_or_plan)
-    except BaseException:
-        if rewrites is not None:
-            rewrites.remove()
-        raise
-    handle = DitHandle(dit, resolved, specs, patches=rewrites, original_device=model_device(dit),
-                       host_tensors=host_tensors(dit) if keep_host_weights else None)
-    try:
-        handle.moved = True  # until known otherwise: remove() moves it back
-        handle.placed = resolved.backend.place(dit, specs)
-        handle.moved = model_device(dit) != handle.original_device
-        if not handle.moved:
-            handle.host_tensors = None  # nothing to put back (jax: the model stays where it is)
-        handle.sp = apply_dit_sp_activation_sharding(dit, resolved.mesh, backend=resolved.backend,
-                                                     padding=resolved.padding, plan=resolved.plan, anchor=anchor)
-    except BaseException:
-        handle.remove()
-        raise
-    return handle
+    return shard_module(  # type: ignore[return-value]
+        dit, resolved, lambda m: shard_dit_specs(m, resolved.mesh_or_plan),
+        rewrites=(lambda: apply_patches(dit, resolved.patches, mesh=resolved.mesh_or_plan)) if resolved.patches else None,
+        hooks=lambda h: apply_dit_sp_activation_sharding(dit, resolved.mesh, backend=resolved.backend,
+                                                         padding=resolved.padding, plan=resolved.plan, anchor=anchor),
+        keep_host_weights=keep_host_weights, handle_type=DitHandle)
 
 
 def check_dit(dit: torch.nn.Module, resolved: Resolved) -> None:
@@ -303,11 +357,11 @@ def model_device(dit: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _return_to_host(h: DitHandle) -> None:
+def _return_to_host(h: ShardHandle) -> None:
     """Back to the host: the original parameter and buffer objects when they were kept (exact, and
     no device-to-host copy), else a copy of the device weights via ``.to(original_device)``."""
     if h.host_tensors is None:
-        h.dit.to(h.original_device)
+        h.model.to(h.original_device)
         return
     for module, kind, name, tensor in h.host_tensors:
         if kind == "param":
@@ -316,4 +370,4 @@ def _return_to_host(h: DitHandle) -> None:
         elif module._buffers.get(name) is not tensor:
             module.register_buffer(name, tensor, persistent=name not in module._non_persistent_buffers_set)
     if any(t.device != h.original_device for *_, t in h.host_tensors):  # moved in place (same objects)
-        h.dit.to(h.original_device)
+        h.model.to(h.original_device)
