@@ -31,6 +31,14 @@ def torch_dtype(value: Any):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name(value)]
 
 
+# ---- pipeline components ---------------------------------------------------------------------
+# The parts of a Wan 2.2 pipeline this package can put on the mesh, by the names ``--component``
+# (``check``, ``compile``) and reports use: the denoising DiT (every expert), the VAE
+# (``AutoencoderKLWan``) and the UMT5 text encoder.
+COMPONENTS: tuple[str, ...] = ("dit", "vae", "text-encoder")
+DEFAULT_COMPONENT = "dit"
+
+
 # ---- padding ---------------------------------------------------------------------------------
 # How the flat token dim is padded to SP x 32 and attention kept exact
 # (``wan_sharding.attention`` implements each; ``docs/design.md`` says what each costs).

@@ -7,7 +7,7 @@ import sys
 from typing import Iterable
 
 from ..mesh import PRESET_TABLE, MeshError, preset_key
-from ..options import DTYPE_ALIASES, DTYPES, PADDING_NAMES, dtype_name
+from ..options import COMPONENTS, DEFAULT_COMPONENT, DTYPE_ALIASES, DTYPES, PADDING_NAMES, dtype_name
 
 
 def preset(text: str) -> str:
@@ -31,6 +31,12 @@ def add_mesh(ap: argparse.ArgumentParser, default: str, *extra: str, help: str =
     choices = [*PRESET_TABLE, *extra]
     ap.add_argument("--mesh", default=default, type=lambda t: t if t in extra else preset(t), choices=choices,
                     metavar="MESH", help=help or f"mesh preset: {', '.join(choices)} (default {default})")
+
+
+def add_component(ap: argparse.ArgumentParser, choices: tuple[str, ...] = COMPONENTS) -> None:
+    """``--component NAME``: which part of the pipeline the command works on (``wan_sharding.options.COMPONENTS``)."""
+    ap.add_argument("--component", default=DEFAULT_COMPONENT, choices=list(choices),
+                    help=f"the pipeline component: {', '.join(choices)} (default {DEFAULT_COMPONENT})")
 
 
 def add_dtype(ap: argparse.ArgumentParser, default: str | None, help: str = "") -> None:
