@@ -6,6 +6,12 @@ stage 2 compiles those with tt-mlir and costs their TTNN programs on the chip fa
 (:mod:`~wan_sharding.planner.compiled`). Plans tt-mlir rejects are reported as such, and if
 that leaves fewer than ``top`` compiled plans the next stage-1 candidates are compiled too (up to
 ``max_rounds`` batches). The recommendation is the fastest compiled plan.
+
+On a mesh that spans several hosts (several Galaxies, one host each, or a rank binding of tt-xla's
+distributed runtime: :func:`wan_sharding.systems.host_cuts`) every plan also gets the bytes its
+collectives move between hosts per denoising step, and a plan whose TP axis crosses a host boundary
+(its all-reduces on the inter-host links in every block) ranks as if :data:`TP_ACROSS_HOSTS` slower:
+it wins only by more than that.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from ..compile.cfg import ONE_PROGRAM, SEQUENTIAL_FORWARDS_PER_STEP, cfg_compile
 from ..mesh import PHYSICAL_AXIS_NAMES, MeshError, parse_mesh_shape
-from ..systems import tt_mlir_rejects
+from ..systems import BindingError, HostCuts, check_binding_grid, host_cuts, rank_binding, tt_mlir_rejects
 from ..plan import ShardingPlan
 from . import analytic, compiled
 from .analytic import Estimate  # noqa: F401  (stage-1 result; its home is analytic)
@@ -47,6 +53,8 @@ class PlanReport:
     attention: str
     timings: dict[str, float] = field(default_factory=dict)
     compiled_stage: bool = True
+    cuts: HostCuts | None = None  # where the hosts fall (None: one host)
+    rank_binding: str = ""
 
     def estimated_seconds(self, c: Candidate) -> float | None:
         """Compiled estimate when there is one, None when tt-mlir rejected the plan, else the
@@ -90,7 +98,8 @@ class PlanReport:
             "sp": m.sp, "tp": m.tp, "mesh_axes": {"names": list(c.plan.axis_names), "shape": list(c.plan.mesh_shape),
                                                   "sp": list(c.plan.sp_axes), "tp": list(c.plan.tp_axes)},
             "fsdp": c.plan.fsdp, "layout": c.plan.layout, "padding": c.plan.padding,
-            "idle_axes": list(c.idle_axes),
+            "idle_axes": list(c.idle_axes), "tp_crosses_hosts": c.tp_crosses_hosts,
+            "cross_host_gb_per_step": cross_host_gb_per_step(self, c),
             "memory_per_chip_gb": round(c.memory.total / 1e9, 3) if c.memory else None,
             "memory": c.memory.to_json() if c.memory else None,
             "estimated_seconds_per_forward": None if est is None else round(est, 4),
@@ -116,6 +125,7 @@ class PlanReport:
         legal = [c for c in self.candidates if c.legal]
         return {
             "mesh": "x".join(map(str, self.fabric.grid)), "arch": self.chip.arch,
+            "hosts": hosts_json(self.cuts, self.rank_binding),
             "workload": self.work.to_json(), "fabric": self.fabric.describe(), "fabric_source": self.fabric.source,
             "chip": {"peak_tflops": self.chip.peak_tflops, "matmul_efficiency": self.chip.matmul_efficiency,
                      "dram_gb": self.chip.dram_gb, "dram_gbps": self.chip.dram_gbps,
@@ -155,6 +165,59 @@ def weight_bytes_per_expert(variant: str, plan: ShardingPlan) -> float:
     return float(predicted_weight_bytes(_meta_dit(variant), plan, BF16))
 
 
+# How much faster a plan whose TP crosses hosts must be to win: TP's all-reduces run in every block,
+# and on the inter-host links they depend on cables whose figures are assumptions
+# (docs/hardware-facts.md); the model's own resolution (NEAR_TIE) is as large.
+TP_ACROSS_HOSTS = 0.03
+
+
+def hosts_json(cuts: HostCuts | None, binding: str = "") -> dict[str, Any] | None:
+    """Where the hosts fall on the planned mesh (None: one host)."""
+    if cuts is None:
+        return None
+    return {"hosts": cuts.hosts, "source": cuts.source, "rank_binding": binding or None,
+            "crossing_axes": [{"axis": PHYSICAL_AXIS_NAMES[i], "chips_per_host": cuts.segment(i)}
+                              for i in cuts.crossing_axes()]}
+
+
+def candidate_cuts(cuts: HostCuts | None, c: Candidate) -> HostCuts | None:
+    """The hosts on the mesh ``c``'s plan runs on: the whole mesh's, or one half's for a CFG split."""
+    if cuts is None or not c.cfg_axis:
+        return cuts
+    return cuts.part(PHYSICAL_AXIS_NAMES.index(c.cfg_axis), c.cfg_parts)
+
+
+def compile_cuts(cuts: HostCuts | None, c: Candidate) -> HostCuts | None:
+    """The hosts on the mesh ``c``'s program is compiled for (see :func:`compile_fabric`)."""
+    if c.cfg_axis and cfg_compile(c.cfg_plan).how == ONE_PROGRAM:
+        return cuts
+    return candidate_cuts(cuts, c)
+
+
+def tp_crosses_hosts(cuts: HostCuts | None, c: Candidate) -> bool:
+    """Whether one of ``c``'s TP axes runs across a host boundary."""
+    part = candidate_cuts(cuts, c)
+    return part is not None and any(part.segment(PHYSICAL_AXIS_NAMES.index(a)) for a in c.plan.tp_axes)
+
+
+def ranking_seconds(c: Candidate, seconds: float) -> float:
+    """What ``c`` is ranked by: its estimate, with the handicap :data:`TP_ACROSS_HOSTS` when its TP
+    crosses hosts."""
+    return seconds * (1.0 + TP_ACROSS_HOSTS) if c.tp_crosses_hosts else seconds
+
+
+def cross_host_gb_per_step(report: "PlanReport", c: Candidate) -> float | None:
+    """GB the whole mesh moves between hosts in one denoising step under ``c`` (None: one host, or
+    no estimate): the compiled program's when there is one, else the analytic block's."""
+    if report.cuts is None:
+        return None
+    if c.compiled is not None and c.compiled.ok:
+        return (c.compiled.per_step(report.work.layers) or {}).get("cross_host_gb")
+    if c.analytic is None:
+        return None
+    return round(SEQUENTIAL_FORWARDS_PER_STEP * report.work.layers * c.analytic.per_block.cross_host_bytes / 1e9, 4)
+
+
 def candidate_fabric(fabric: Fabric, c: Candidate) -> Fabric:
     """The fabric ``c``'s plan runs on: the whole machine, or one half of it for a CFG split."""
     if not c.cfg_axis:
@@ -170,26 +233,31 @@ def compile_fabric(fabric: Fabric, c: Candidate) -> Fabric:
     return candidate_fabric(fabric, c)
 
 
-def cfg_exchange(work: Workload, fabric: Fabric, c: Candidate) -> tuple[str, float]:
-    """``(key, seconds)`` of one step's exchange between the halves of a CFG split: every device
-    swaps its 1/N share of the noise prediction with its partner in the other half (the device half
-    the cut axis away); the combined prediction is then gathered like any output."""
+def cfg_exchange(work: Workload, fabric: Fabric, c: Candidate, cuts: HostCuts | None = None) -> tuple[str, float, float]:
+    """``(key, seconds, bytes between hosts)`` of one step's exchange between the halves of a CFG
+    split: every device swaps its 1/N share of the noise prediction with its partner in the other
+    half (the device half the cut axis away); the combined prediction is then gathered like any output."""
     i = PHYSICAL_AXIS_NAMES.index(c.cfg_axis)
     n = fabric.grid[i]
     devices = c.plan.mesh_shape[0] * c.plan.mesh_shape[1]
-    return f"cfg_exchange@{c.cfg_axis}", pair_exchange_seconds(work.output_bytes() / devices, fabric.axes[i], n, fabric)
+    share = work.output_bytes() / devices
+    crossing = cuts.pair_exchange_bytes(share, i) if cuts is not None else 0.0
+    return f"cfg_exchange@{c.cfg_axis}", pair_exchange_seconds(share, fabric.axes[i], n, fabric), crossing
 
 
-def stage1(work: Workload, candidates: Sequence[Candidate], chip: Chip, fabric: Fabric) -> list[Candidate]:
-    """Analytic estimate for every legal candidate; returns them fastest first."""
+def stage1(work: Workload, candidates: Sequence[Candidate], chip: Chip, fabric: Fabric,
+           cuts: HostCuts | None = None) -> list[Candidate]:
+    """Analytic estimate for every legal candidate; returns them best first (:func:`ranking_seconds`)."""
     legal = [c for c in candidates if c.legal]
     for c in legal:
+        c.tp_crosses_hosts = tp_crosses_hosts(cuts, c)
         if c.cfg_axis:
-            key, secs = cfg_exchange(work, fabric, c)
-            c.analytic = analytic.estimate_cfg(work, c.plan, chip, candidate_fabric(fabric, c), c.cfg_parts, key, secs)
+            key, secs, crossing = cfg_exchange(work, fabric, c, cuts)
+            c.analytic = analytic.estimate_cfg(work, c.plan, chip, candidate_fabric(fabric, c), c.cfg_parts, key, secs,
+                                               candidate_cuts(cuts, c), crossing)
         else:
-            c.analytic = analytic.estimate(work, c.plan, chip, fabric)
-    return sorted(legal, key=lambda c: (c.analytic.seconds_per_forward, len(c.idle_axes), c.name))
+            c.analytic = analytic.estimate(work, c.plan, chip, fabric, cuts)
+    return sorted(legal, key=lambda c: (ranking_seconds(c, c.analytic.seconds_per_forward), len(c.idle_axes), c.name))
 
 
 def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", variant: str = "t2v-a14b",
@@ -197,7 +265,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                   compile: bool = True, attention: str = "fused", topology: str = "machine",
                   work_dir: str | Path | None = None, timeout: float = 900.0, max_rounds: int = 3,
                   keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = False,
-                  progress: Callable[[str], None] | None = None) -> PlanReport:
+                  progress: Callable[[str], None] | None = None, rank_binding_name: str | None = None) -> PlanReport:
     """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
 
     Args:
@@ -220,6 +288,10 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
             forwards without cfg, 1 program of both branches with it); per-forward figures are
             half a step. Off by default (it roughly doubles the candidates).
         progress: called with a line of text at each step.
+        rank_binding_name: the multi-host system the mesh is (a rank binding of tt-xla's distributed
+            runtime, :data:`wan_sharding.systems.RANK_BINDINGS`): its hosts are planned for, and the
+            mesh must be its global mesh and ``arch`` its chips. Without it a multi-Galaxy grid
+            has one host per Galaxy.
 
     Returns:
         A :class:`PlanReport`.
@@ -243,24 +315,31 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         work = Workload.build(variant, resolution, latent)
         chip = chip_for(arch)
         fabric = fabric_for(arch, shape, topology)
-    except ValueError as e:
+        binding = rank_binding(rank_binding_name) if rank_binding_name else None
+        if binding is not None:
+            check_binding_grid(binding, shape, f"the mesh {mesh if isinstance(mesh, str) else shape}")
+            if binding.arch != arch:
+                raise BindingError(f"{binding.name} is {binding.machine}: its chips are {binding.arch}, not {arch}; "
+                                   f"use --arch {binding.arch}")
+    except ValueError as e:  # BindingError is one
         raise PlannerError(str(e)) from None
+    cuts = host_cuts(shape, binding, (fabric.axes[0].wrap, fabric.axes[1].wrap))
     timings: dict[str, float] = {}
-    say(f"workload {work.label}; {fabric.describe()}")
+    say(f"workload {work.label}; {fabric.describe()}" + (f"; {cuts.describe()}" if cuts is not None else ""))
     _meta_dit(work.variant)
     timings["model"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     rejected = (lambda s: f"tt-mlir rejects a {s[0]}x{s[1]} mesh" if tt_mlir_rejects(s) else "") if compile else None
     cands = build_candidates(work, shape, chip.usable_dram_bytes, lambda p: weight_bytes_per_expert(work.variant, p),
                              attention, PHYSICAL_AXIS_NAMES, keep, cfg_split, rejected)
-    ordered = stage1(work, cands, chip, fabric)
+    ordered = stage1(work, cands, chip, fabric, cuts)
     timings["stage1"] = time.perf_counter() - t1
     say(f"stage 1: {len(cands)} candidates, {len(ordered)} legal, analytic best "
         f"{ordered[0].analytic.seconds_per_forward:.2f} s/forward" if ordered else
         f"stage 1: {len(cands)} candidates, none legal")
     if not ordered:
-        report = PlanReport(work, chip, fabric, cands, _rank(cands, []), None, top, attention, timings, compile)
-        return report
+        return PlanReport(work, chip, fabric, cands, _rank(cands, []), None, top, attention, timings, compile, cuts,
+                          binding.name if binding else "")
     compiled_list: list[Candidate] = []
     if compile:
         t2 = time.perf_counter()
@@ -285,10 +364,10 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
             rounds += 1
             results = compiled.evaluate(work, [c.full_plan for c in batch], chip, [compile_fabric(fabric, c) for c in batch],
                                         work_dir=root / f"round_{rounds}", attention=attention, timeout=timeout,
-                                        progress=say)
+                                        progress=say, cuts=[compile_cuts(cuts, c) for c in batch])
             for c, r in zip(batch, results):
                 if c.cfg_axis:
-                    r = compiled.amortise_cfg(r, work.layers, c.cfg_parts, *cfg_exchange(work, fabric, c))
+                    r = compiled.amortise_cfg(r, work.layers, c.cfg_parts, *cfg_exchange(work, fabric, c, cuts))
                 c.compiled = r
                 compiled_list.append(c)
                 say(f"  {c.name}: " + (f"{r.seconds_per_step:.2f} s/step" if r.ok
@@ -296,20 +375,21 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         timings["stage2"] = time.perf_counter() - t2
     ok_compiled = [c for c in compiled_list if c.compiled.ok]
     if compile and ok_compiled:
-        recommended = min(ok_compiled, key=lambda c: c.compiled.seconds_per_forward)
+        recommended = min(ok_compiled, key=lambda c: ranking_seconds(c, c.compiled.seconds_per_forward))
     elif compile:
         recommended = None  # every survivor was rejected by tt-mlir: nothing measured to recommend
     else:
         recommended = ordered[0]
     timings["total"] = time.perf_counter() - t0
-    return PlanReport(work, chip, fabric, cands, _rank(cands, ordered), recommended, top, attention, timings, compile)
+    return PlanReport(work, chip, fabric, cands, _rank(cands, ordered), recommended, top, attention, timings, compile,
+                      cuts, binding.name if binding else "")
 
 
 def _rank(cands: Sequence[Candidate], ordered: Sequence[Candidate]) -> list[Candidate]:
     """Compiled plans by compiled time, then plans tt-mlir rejected, then the stage-1 rest in
     stage-1 order, then illegal plans."""
     comp_ok = sorted((c for c in ordered if c.compiled is not None and c.compiled.ok),
-                     key=lambda c: c.compiled.seconds_per_forward)
+                     key=lambda c: ranking_seconds(c, c.compiled.seconds_per_forward))
     comp_bad = [c for c in ordered if c.compiled is not None and not c.compiled.ok]
     rest = [c for c in ordered if c.compiled is None]
     illegal = [c for c in cands if c.reason and not c.duplicate_of]
@@ -361,6 +441,12 @@ def why_lost(report: PlanReport, c: Candidate) -> str:
     layers = report.work.layers
     if c.compiled is not None and not c.compiled.ok:
         return f"does not compile in tt-mlir: {c.compiled.short_error()}"
+    mine, theirs = report.estimated_seconds(c), None if best is None else report.estimated_seconds(best)
+    if c.tp_crosses_hosts and best is not None and not best.tp_crosses_hosts and mine is not None and theirs \
+            and mine < theirs:
+        return (f"TP crosses hosts (its all-reduces on the inter-host links in every block): "
+                f"{100 * (1 - mine / theirs):.1f}% faster, under the {100 * TP_ACROSS_HOSTS:g}% a plan needs to beat "
+                "one that keeps TP inside a host")
     if c.compiled is not None and best is not None and best.compiled is not None and best.compiled.ok:
         return f"slower: {_biggest_gap(c, best, True, layers)}" + idle
     ref = best if best is not None and best.analytic is not None else None
