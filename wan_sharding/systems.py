@@ -178,10 +178,15 @@ class RankBinding:
         g = (int(grid[0]), int(grid[1]))
         return self.ranks if g == self.grid else (self.ranks[1], self.ranks[0])
 
-    def describe(self) -> str:
+    @property
+    def summary(self) -> str:
+        """The system in words: machine, global mesh, hosts and chips."""
         per = f"{self.hosts} hosts x {self.chips_per_rank} chips" if self.multi_host else \
             f"{self.num_ranks} processes of {self.chips_per_rank} chips on one host"
-        return f"{self.name}: {self.machine}, global mesh {self.grid[0]}x{self.grid[1]} ({per})"
+        return f"{self.machine}, global mesh {self.grid[0]}x{self.grid[1]} ({per})"
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.summary}"
 
 
 _CONFIG = "tests/tt_metal/distributed/config/"

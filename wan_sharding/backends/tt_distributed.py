@@ -219,7 +219,7 @@ def resolve_launch(binding: str, hosts: str | None = None, hostfile: str | None 
     launch = DistributedLaunch(binding, tuple(names), str(Path(hostfile).absolute()) if hostfile is not None else "",
                                controller or names[0], tcp_iface or "", agent, path or "", tuple(looked))
     if not dry_run:
-        for problem in (controller_problem(launch.controller), iface_problem(launch.tcp_iface)):
+        for problem in (controller_problem(launch.controller, controller is not None), iface_problem(launch.tcp_iface)):
             if problem:
                 raise LaunchError(problem)
     return launch
@@ -234,17 +234,19 @@ def _worker(dry_run: bool, environ: Mapping[str, str] | None) -> tuple[str | Non
     return path, looked
 
 
-def controller_problem(controller: str) -> str:
+def controller_problem(controller: str, given: bool = True) -> str:
     """Why ``controller`` cannot be this process's host (empty when it is): the plugin tells every
-    worker to connect back to it, so the command must run there."""
+    worker to connect back to it, so the command must run there. ``given``: named by
+    ``--controller`` (else it is the first host)."""
     here = socket.gethostname()
+    what = f"--controller {controller}" if given else f"the controller {controller} (the first host)"
     if controller in (here, socket.getfqdn(), "localhost") or controller.split(".")[0] == here.split(".")[0]:
         return ""
     try:
         infos = socket.getaddrinfo(controller, None)
     except (socket.gaierror, UnicodeError) as e:
-        return (f"--controller {controller}: cannot resolve it ({getattr(e, 'strerror', None) or e}); name this "
-                f"machine ({here}), where the command runs and the workers connect back to")
+        return (f"{what}: cannot resolve it ({getattr(e, 'strerror', None) or e}); pass --controller with this "
+                f"machine's name ({here}): the command runs there and the workers connect back to it")
     for family, _, _, _, addr in infos:
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -252,8 +254,8 @@ def controller_problem(controller: str) -> str:
             return ""
         except OSError:
             continue
-    return (f"--controller {controller} is not this machine ({here}): the workers connect back to the controller, "
-            f"which is this process; run the command on {controller}, or pass --controller {here}")
+    return (f"{what} is not this machine ({here}): the workers connect back to the controller, which is this "
+            f"process; run the command on {controller}, or pass --controller {here}")
 
 
 def iface_problem(iface: str) -> str:

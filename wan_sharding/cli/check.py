@@ -111,6 +111,12 @@ def _meshes(args: argparse.Namespace) -> int:
         print(f"{name:{w_name}}  {PRESET_MACHINES[name]:{w_machine}}  devices {m.num_devices:3}  "
               f"shape {'x'.join(map(str, m.shape)):5} sp={m.sp:<2} tp={m.tp}  "
               f"tokens padded to a multiple of {m.seq_multiple:<4} --cfg 2: {cfg}")
+    from ..systems import RANK_BINDINGS, served_presets
+
+    print("\nrank bindings of tt-xla's distributed runtime (--rank-binding; docs/tt-backend.md):")
+    w = max(map(len, RANK_BINDINGS))
+    for b in RANK_BINDINGS.values():
+        print(f"{b.name:{w}}  {b.summary}; presets: {', '.join(served_presets(b)) or 'none (a plan)'}")
     return 0
 
 

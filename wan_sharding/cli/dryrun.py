@@ -36,28 +36,34 @@ def mesh_lines(what: str, m: MeshSpec, binding: Any) -> list[str]:
     return lines
 
 
+def launch_report(meshes: list[tuple[str, MeshSpec | None]], distributed: dict[str, Any] | None) -> list[str]:
+    """The dry run's lines: each mesh (``(what, spec)``; None: the one-device baseline) and the
+    launch (``distributed``: a DistributedLaunch as JSON, or None on one host)."""
+    from ..backends.tt_distributed import DistributedLaunch, launch_lines
+    from ..jobs.launch import planned_tt_env
+
+    launch = DistributedLaunch.from_json(distributed) if distributed else None
+    binding = launch.system if launch is not None else None
+    lines = [line for what, m in meshes
+             for line in ([f"mesh: {what}: one device, no SP or TP"] if m is None else mesh_lines(what, m, binding))]
+    return lines + launch_lines(launch, planned_tt_env(distributed), os.environ)
+
+
 def dry_run(args: argparse.Namespace, command: str) -> bool:
     """With ``--dry-run``: print what the command would launch and return True (the command then
     exits 0); else False. Call after the command's checks."""
     if not getattr(args, "dry_run", False):
         return False
-    from ..backends.tt_distributed import DistributedLaunch, launch_lines
-    from ..jobs.launch import planned_tt_env
+    from ..jobs.launch import UNSHARDED
     from ..mesh import mesh_from_preset
 
-    launch = DistributedLaunch.from_json(args.distributed) if args.distributed else None
-    binding = launch.system if launch is not None else None
-    print(f"wan-sharding {command} --dry-run: nothing was started")
     plans = dict(getattr(args, "cfg_plans", None) or {})
     if getattr(args, "plan", None) is not None and not plans:
-        lines = mesh_lines(f"plan {args.plan.name}", args.plan.mesh(), binding)
+        meshes: list[tuple[str, MeshSpec | None]] = [(f"plan {args.plan.name}", args.plan.mesh())]
     else:
-        from ..jobs.launch import UNSHARDED
-
         names = args.meshes if hasattr(args, "meshes") else [args.mesh]
-        lines = [f"mesh: --mesh {n}: one device, no SP or TP" if n == UNSHARDED else line for n in names
-                 for line in ([""] if n == UNSHARDED else mesh_lines(
-                     f"--mesh {n}", plans[n].mesh() if n in plans else mesh_from_preset(n), binding))]
-    lines += launch_lines(launch, planned_tt_env(args.distributed), os.environ)
-    print("\n".join(lines))
+        meshes = [(f"--mesh {n}", None if n == UNSHARDED else plans[n].mesh() if n in plans else mesh_from_preset(n))
+                  for n in names]
+    print(f"wan-sharding {command}: dry run, nothing was started")
+    print("\n".join(launch_report(meshes, args.distributed)))
     return True

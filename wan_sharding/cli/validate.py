@@ -375,7 +375,7 @@ def check_launch(args: argparse.Namespace, backends: list[str]) -> None:
     given = [f for f in ("--rank-binding", *LAUNCH_FLAGS, "--dry-run") if getattr(args, f[2:].replace("-", "_"), None)]
     if "tt" not in backends:
         if given:
-            raise UsageError(f"{given[0]} launches Tenstorrent hardware; add {flag} tt")
+            raise UsageError(f"{given[0]} is for a launch on Tenstorrent hardware; add {flag} tt")
         return
     name = args.rank_binding
     if plan is not None and plan.rank_binding:
