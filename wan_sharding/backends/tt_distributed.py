@@ -191,8 +191,10 @@ def resolve_launch(binding: str, hosts: str | None = None, hostfile: str | None 
     if not system.multi_host:
         extra = [flag for flag, value in given.items() if value is not None]
         if extra:
+            one = len(extra) == 1
             raise LaunchError(f"{binding} runs its {system.num_ranks} processes on this machine (no hosts, no MPI "
-                              f"remote shell), so {', '.join(extra)} {'has' if len(extra) == 1 else 'have'} nothing to name; leave {'it' if len(extra) == 1 else 'them'} out")
+                              f"remote shell), so {', '.join(extra)} {'has' if one else 'have'} nothing to name; "
+                              f"leave {'it' if one else 'them'} out")
         path, looked = _worker(dry_run, environ)
         return DistributedLaunch(binding, worker_path=path or "", looked_at=tuple(looked))
     if hosts is None and hostfile is None:
@@ -205,9 +207,8 @@ def resolve_launch(binding: str, hosts: str | None = None, hostfile: str | None 
                           f"names {len(names)}: {','.join(names)}; name {system.hosts}")
     if controller is not None:
         parse_hosts(controller, "--controller")
-    for flag, value in (("--tcp-iface", tcp_iface),):
-        if value is not None and (not value or any(c.isspace() or c == "," for c in value)):
-            raise LaunchError(f"{flag} {value!r} is not a network interface name (e.g. eth0, cnx1)")
+    if tcp_iface is not None and (not tcp_iface or any(c.isspace() or c == "," for c in tcp_iface)):
+        raise LaunchError(f"--tcp-iface {tcp_iface!r} is not a network interface name (e.g. eth0, cnx1)")
     agent = ""
     if rsh_agent is not None:
         p = Path(rsh_agent)
