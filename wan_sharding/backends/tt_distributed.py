@@ -241,7 +241,7 @@ def controller_problem(controller: str, given: bool = True) -> str:
     ``--controller`` (else it is the first host)."""
     here = socket.gethostname()
     what = f"--controller {controller}" if given else f"the controller {controller} (the first host)"
-    if controller in (here, socket.getfqdn(), "localhost") or controller.split(".")[0] == here.split(".")[0]:
+    if controller in (here, "localhost") or controller.split(".")[0] == here.split(".")[0]:
         return ""
     try:
         infos = socket.getaddrinfo(controller, None)
