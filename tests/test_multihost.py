@@ -169,8 +169,16 @@ def test_a_stale_environment_is_replaced_or_refused():
     assert td.inherited_problem({td.ENABLE: "0"}) == ""
 
 
-def test_dry_runs_print_the_launch_without_the_stack(capsys, tmp_path):
-    """``--dry-run`` on this machine, which has no Tenstorrent stack and no worker binary."""
+@pytest.fixture
+def no_plugin(monkeypatch):
+    """This process as on a machine without Tenstorrent's plugin (and none named in the environment)."""
+    monkeypatch.setitem(sys.modules, "pjrt_plugin_tt", None)
+    for name in ("TT_DISTRIBUTED_WORKER_PATH", "TT_PJRT_PLUGIN_DIR", "TT_MLIR_HOME", td.ENABLE):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_dry_runs_print_the_launch_without_the_stack(capsys, tmp_path, no_plugin):
+    """``--dry-run`` on a machine without the Tenstorrent stack or its worker binary."""
     argv = ["generate", "--backend", "tt", "--rank-binding", "quad_galaxy", "--hosts", "a,b,c,d", "--dry-run"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -194,7 +202,7 @@ def test_dry_runs_print_the_launch_without_the_stack(capsys, tmp_path):
     assert list(tmp_path.iterdir()) == []  # serve's dry run opened no store
 
 
-def test_a_plan_carries_its_binding(tmp_path, capsys):
+def test_a_plan_carries_its_binding(tmp_path, capsys, no_plugin):
     from wan_sharding.plan import ShardingPlan
 
     plan = ShardingPlan((8, 16), ("rows", "cols"), ("cols",), ("rows",), rank_binding="quad_galaxy")

@@ -255,8 +255,9 @@ def check_binding_grid(binding: RankBinding, grid: Sequence[int], what: str) -> 
         f", or a plan for {binding.grid[0]}x{binding.grid[1]} (wan-sharding plan --mesh " \
         f"{binding.grid[0]}x{binding.grid[1]} --arch {binding.arch} --rank-binding {binding.name} --write PLAN.json)" + \
         (f" ({int(grid[0])}x{int(grid[1])} is the mesh of {' and '.join(others)})" if others else "")
-    raise BindingError(f"{what} is {int(grid[0])}x{int(grid[1])} ({math.prod(grid)} chips), not the global mesh of "
-                       f"{binding.name}: {binding.grid[0]}x{binding.grid[1]} ({binding.chips} chips, "
+    chips = math.prod(int(g) for g in grid)
+    raise BindingError(f"{what} is {int(grid[0])}x{int(grid[1])} ({chips} chip{'' if chips == 1 else 's'}), not the "
+                       f"global mesh of {binding.name}: {binding.grid[0]}x{binding.grid[1]} ({binding.chips} chips, "
                        f"{binding.machine}); {fix}")
 
 
