@@ -30,6 +30,8 @@ from ..plan import ShardingPlan
 from . import analytic, compiled
 from .analytic import Estimate  # noqa: F401  (stage-1 result; its home is analytic)
 from .candidates import Candidate, build_candidates
+from .hosts import (TP_ACROSS_HOSTS, candidate_cuts, compile_cuts, cross_host_gb_per_step, hosts_json,
+                    ranking_seconds, tp_crosses_hosts)
 from .hardware import Chip, Fabric, chip as chip_for, fabric_for, pair_exchange_seconds, sub_fabric
 from .ir_cost import ATTENTION_MODES
 from .workload import BF16, Workload
@@ -99,7 +101,7 @@ class PlanReport:
                                                   "sp": list(c.plan.sp_axes), "tp": list(c.plan.tp_axes)},
             "fsdp": c.plan.fsdp, "layout": c.plan.layout, "padding": c.plan.padding,
             "idle_axes": list(c.idle_axes), "tp_crosses_hosts": c.tp_crosses_hosts,
-            "cross_host_gb_per_step": cross_host_gb_per_step(self, c),
+            "cross_host_gb_per_step": cross_host_gb_per_step(self.cuts, self.work.layers, c),
             "memory_per_chip_gb": round(c.memory.total / 1e9, 3) if c.memory else None,
             "memory": c.memory.to_json() if c.memory else None,
             "estimated_seconds_per_forward": None if est is None else round(est, 4),
@@ -163,59 +165,6 @@ def predicted_weight_bytes(dit: Any, plan: ShardingPlan, dtype_bytes: int | None
 def weight_bytes_per_expert(variant: str, plan: ShardingPlan) -> float:
     """One expert's weight bytes per chip in bf16 under ``plan``, on the meta model (~30 ms)."""
     return float(predicted_weight_bytes(_meta_dit(variant), plan, BF16))
-
-
-# How much faster a plan whose TP crosses hosts must be to win: TP's all-reduces run in every block,
-# and on the inter-host links they depend on cables whose figures are assumptions
-# (docs/hardware-facts.md); the model's own resolution (NEAR_TIE) is as large.
-TP_ACROSS_HOSTS = 0.03
-
-
-def hosts_json(cuts: HostCuts | None, binding: str = "") -> dict[str, Any] | None:
-    """Where the hosts fall on the planned mesh (None: one host)."""
-    if cuts is None:
-        return None
-    return {"hosts": cuts.hosts, "source": cuts.source, "rank_binding": binding or None,
-            "crossing_axes": [{"axis": PHYSICAL_AXIS_NAMES[i], "chips_per_host": cuts.segment(i)}
-                              for i in cuts.crossing_axes()]}
-
-
-def candidate_cuts(cuts: HostCuts | None, c: Candidate) -> HostCuts | None:
-    """The hosts on the mesh ``c``'s plan runs on: the whole mesh's, or one half's for a CFG split."""
-    if cuts is None or not c.cfg_axis:
-        return cuts
-    return cuts.part(PHYSICAL_AXIS_NAMES.index(c.cfg_axis), c.cfg_parts)
-
-
-def compile_cuts(cuts: HostCuts | None, c: Candidate) -> HostCuts | None:
-    """The hosts on the mesh ``c``'s program is compiled for (see :func:`compile_fabric`)."""
-    if c.cfg_axis and cfg_compile(c.cfg_plan).how == ONE_PROGRAM:
-        return cuts
-    return candidate_cuts(cuts, c)
-
-
-def tp_crosses_hosts(cuts: HostCuts | None, c: Candidate) -> bool:
-    """Whether one of ``c``'s TP axes runs across a host boundary."""
-    part = candidate_cuts(cuts, c)
-    return part is not None and any(part.segment(PHYSICAL_AXIS_NAMES.index(a)) for a in c.plan.tp_axes)
-
-
-def ranking_seconds(c: Candidate, seconds: float) -> float:
-    """What ``c`` is ranked by: its estimate, with the handicap :data:`TP_ACROSS_HOSTS` when its TP
-    crosses hosts."""
-    return seconds * (1.0 + TP_ACROSS_HOSTS) if c.tp_crosses_hosts else seconds
-
-
-def cross_host_gb_per_step(report: "PlanReport", c: Candidate) -> float | None:
-    """GB the whole mesh moves between hosts in one denoising step under ``c`` (None: one host, or
-    no estimate): the compiled program's when there is one, else the analytic block's."""
-    if report.cuts is None:
-        return None
-    if c.compiled is not None and c.compiled.ok:
-        return (c.compiled.per_step(report.work.layers) or {}).get("cross_host_gb")
-    if c.analytic is None:
-        return None
-    return round(SEQUENTIAL_FORWARDS_PER_STEP * report.work.layers * c.analytic.per_block.cross_host_bytes / 1e9, 4)
 
 
 def candidate_fabric(fabric: Fabric, c: Candidate) -> Fabric:
