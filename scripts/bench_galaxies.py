@@ -7,6 +7,11 @@ the padding mode adds against the unpadded graph, tt-mlir seconds and the worker
 
 Part 2, plan: ``plan_sharding`` (both stages) on the same meshes at 720p for T2V-A14B, timed.
 
+The meshes: tt-metal's views of 2 and 4 Galaxies (4x16, 4x32) on both architectures, and tt-xla's
+multi-host Wormhole systems (8x8 and 8x16, rank bindings dual_galaxy and quad_galaxy). Each system
+is planned on the rank binding that names it where tt-xla's plugin has one; every row says what
+crosses the hosts (one per Galaxy) per denoising step.
+
 TI2V-5B's resolutions: "720p" is its native 704 x 1280 (``704p``, 121 frames), "480p" is 480 x 832 at
 121 frames through the Wan 2.2 VAE (stride 4 x 16 x 16): latent 31 x 30 x 52.
 
@@ -32,7 +37,9 @@ from wan_sharding.compile import CompileRequest, compile_reports, latent_for, sy
 from wan_sharding.mesh import mesh_from_preset  # noqa: E402
 from wan_sharding.workers import atomic_write  # noqa: E402
 
-MESHES = ("4x16-tt-metal", "4x32-tt-metal")  # the views tt-mlir compiles of the 16x4 and 32x4 systems
+MESHES = ("4x16-tt-metal", "4x32-tt-metal", "8x8-dual-galaxy", "8x16-quad-galaxy")
+# tt-metal's views of the 16x4 and 32x4 systems on either chip; tt-xla's Wormhole systems on theirs
+ARCHS_OF = {"8x8-dual-galaxy": ("wormhole_b0",), "8x16-quad-galaxy": ("wormhole_b0",)}
 # (variant, label, resolution name or None, latent F,H,W)
 WORKLOADS = (
     ("t2v-a14b", "480p", "480p", None),
@@ -42,11 +49,23 @@ WORKLOADS = (
 )
 
 
+def binding_for(mesh: str, arch: str) -> str | None:
+    """The rank binding of tt-xla's plugin whose system this mesh (on these chips) is, if any."""
+    from wan_sharding.systems import RANK_BINDINGS
+
+    grid = mesh_from_preset(mesh).grid
+    return next((b.name for b in RANK_BINDINGS.values() if b.serves(grid) and b.arch == arch), None)
+
+
+def systems(meshes: list[str], archs: list[str]) -> list[tuple[str, str]]:
+    return [(m, a) for a in archs for m in meshes if a in ARCHS_OF.get(m, archs)]
+
+
 def compile_runs(meshes: list[str], archs: list[str], blocks: int, timeout: float) -> list[dict]:
     out = []
     for arch in archs:
         reqs, labels = [], []
-        for mesh in meshes:
+        for mesh, _ in [s for s in systems(meshes, archs) if s[1] == arch]:
             for variant, label, res, latent in WORKLOADS:
                 reqs.append(CompileRequest(variant=variant, size="full", mesh=mesh, blocks=blocks, padding="mask",
                                            latent=latent_for(res, None if latent is None else ",".join(map(str, latent))),
@@ -67,29 +86,31 @@ def plan_runs(meshes: list[str], archs: list[str], timeout: float) -> list[dict]
     from wan_sharding.planner import plan_sharding
 
     out = []
-    for arch in archs:
-        for mesh in meshes:
-            t0 = time.perf_counter()
-            try:
-                rep = plan_sharding(mesh, arch, "t2v-a14b", "720p", timeout=timeout, cfg_split=True)
-            except RuntimeError as e:  # e.g. the plugin failing to start in its worker: say so, go on
-                out.append({"mesh": mesh, "arch": arch, "resolution": "720p", "error": str(e)[:300],
-                            "wall_seconds": round(time.perf_counter() - t0, 1), "counts": {}, "recommended": None,
-                            "ranked": []})
-                continue
-            data = rep.to_json()
-            rec = data["recommended"]
-            out.append({"mesh": mesh, "arch": arch, "resolution": "720p", "wall_seconds": round(time.perf_counter() - t0, 1),
-                        "counts": data["counts"], "recommended": rec,
-                        "ranked": [{k: c[k] for k in ("rank", "name", "stage", "estimated_seconds_per_forward",
-                                                       "memory_per_chip_gb", "why_lost")}
-                                   for c in data["candidates"] if c["rank"] is not None and c["stage"] != "illegal"]})
+    for mesh, arch in systems(meshes, archs):
+        t0 = time.perf_counter()
+        try:
+            rep = plan_sharding(mesh, arch, "t2v-a14b", "720p", timeout=timeout, cfg_split=True,
+                                rank_binding_name=binding_for(mesh, arch))
+        except RuntimeError as e:  # e.g. the plugin failing to start in its worker: say so, go on
+            out.append({"mesh": mesh, "arch": arch, "resolution": "720p", "error": str(e)[:300],
+                        "wall_seconds": round(time.perf_counter() - t0, 1), "counts": {}, "recommended": None,
+                        "ranked": []})
+            continue
+        data = rep.to_json()
+        rec = data["recommended"]
+        out.append({"mesh": mesh, "arch": arch, "resolution": "720p", "wall_seconds": round(time.perf_counter() - t0, 1),
+                    "counts": data["counts"], "recommended": rec, "hosts": data["hosts"],
+                    "ranked": [{k: c[k] for k in ("rank", "name", "stage", "estimated_seconds_per_forward",
+                                                   "memory_per_chip_gb", "tp_crosses_hosts",
+                                                   "cross_host_gb_per_step", "why_lost")}
+                               for c in data["candidates"] if c["rank"] is not None and c["stage"] != "illegal"]})
     return out
 
 
 def compile_table(runs: list[dict]) -> str:
     head = ["mesh", "chips", "arch", "variant", "res", "tokens -> padded", "tokens/chip", "per block", "bill",
-            "tiles", "padding adds (once per forward; per block)", "tt-mlir s (1+2 blk)", "worker peak GB"]
+            "tiles", "padding adds (once per forward; per block)", "crosses hosts", "GB between hosts per step",
+            "tt-mlir s (1+2 blk)", "worker peak GB"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         m = mesh_from_preset(r["mesh"])
@@ -109,16 +130,25 @@ def compile_table(runs: list[dict]) -> str:
                  f"{r['tokens']} -> {r['padded_tokens']}", str(r["padded_tokens"] // r["sp"]),
                  f"{tot.get('large', '?'):g}+{tot.get('small', '?'):g}" if tot else "?",
                  "ok" if r["bill_ok"] else "DIFFERS", "ok" if r["tile_aligned"] else "NOT ALIGNED", pad_text,
+                 *hosts_cells(r.get("hosts")),
                  f"{r['compile_seconds'] + (r.get('base_compile_seconds') or 0.0):.1f}", f"{r['rss_mb'] / 1e3:.1f}"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
+def hosts_cells(hosts: dict | None) -> list[str]:
+    """Which axes cross hosts (role, chips per host) and the bytes between hosts per denoising step."""
+    if not hosts:
+        return ["-", "-"]
+    axes = ", ".join(f"{a['axis']} ({a['role'] or 'idle'}) / {a['chips_per_host']}" for a in hosts["crossing_axes"])
+    return [axes, f"{hosts['cross_host_bytes_per_step'] / 1e9:.0f}"]
+
+
 def plan_table(plans: list[dict]) -> str:
     """The recommendation per mesh, and where tt-metal's configuration (SP on the long axis, TP 4,
     no CFG split; FSDP off, or on where the weights need it, as tt-metal does on Wormhole) ranks."""
-    head = ["mesh", "arch", "recommended", "s/forward", "GB/chip", "tt-metal's config: rank, s/forward",
-            "compiled (ok)", "plan s"]
+    head = ["mesh", "arch", "rank binding", "recommended", "s/forward", "GB/chip", "GB between hosts per step",
+            "tt-metal's config: rank, s/forward", "compiled (ok)", "plan s"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for pl in plans:
         rec = pl["recommended"]
@@ -126,9 +156,11 @@ def plan_table(plans: list[dict]) -> str:
         metal = next((c for suffix in (f"sp{sp}[cols] tp4[rows] replicated-D mask",
                                        f"sp{sp}[cols] tp4[rows] fsdp replicated-D mask")
                       for c in pl["ranked"] if c["name"].endswith(suffix)), None)
-        cells = [pl["mesh"], pl["arch"], rec["name"] if rec else "none: " + pl.get("error", "")[:80],
+        binding = (pl.get("hosts") or {}).get("rank_binding") or "-"
+        gb = rec.get("cross_host_gb_per_step") if rec else None
+        cells = [pl["mesh"], pl["arch"], binding, rec["name"] if rec else "none: " + pl.get("error", "")[:80],
                  f"{rec['estimated_seconds_per_forward']:.2f}" if rec else "-",
-                 f"{rec['memory_per_chip_gb']:.1f}" if rec else "-",
+                 f"{rec['memory_per_chip_gb']:.1f}" if rec else "-", f"{gb:.0f}" if gb is not None else "-",
                  f"{metal['rank']}, {metal['estimated_seconds_per_forward']:.2f}"
                  + (" (fsdp)" if "fsdp" in metal["name"] else "") if metal and
                  metal["estimated_seconds_per_forward"] else "-",

@@ -29,3 +29,42 @@ keep_plugins_out_of_cpu_jax()
 # Ctrl-C, which the children then get as Python's default (a handler is not inherited across exec).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# ``pytest -m tt`` on a mesh of several hosts (tests/test_tt_hardware.py; docs/tt-backend.md): the
+# commands' launch options, checked here before any test runs (a bad one is one line, exit 4).
+LAUNCH_OPTIONS = ("rank-binding", "hosts", "hostfile", "controller", "tcp-iface", "rsh-agent")
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("tt", "pytest -m tt on several hosts (tt-xla's distributed runtime)")
+    for name in LAUNCH_OPTIONS:
+        group.addoption(f"--{name}", default=None, help=f"as the commands' --{name} (docs/tt-backend.md)")
+    group.addoption("--dry-run", action="store_true",
+                    help="print the mesh, rank binding, hosts and the tt worker's environment; run no test")
+
+
+def launch_options(config) -> dict:
+    return {name.replace("-", "_"): config.getoption(name.replace("-", "_")) for name in (*LAUNCH_OPTIONS, "dry-run")}
+
+
+def pytest_configure(config):
+    import pytest
+
+    options = launch_options(config)
+    if not any(options.values()):
+        return
+    from wan_sharding.jobs.first_run import marker_launch
+
+    try:
+        mesh, distributed = marker_launch(options)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    if options["dry_run"]:
+        from wan_sharding.cli.dryrun import launch_report
+        from wan_sharding.mesh import mesh_from_preset
+
+        meshes = [(f"the tt run's mesh {mesh}", mesh_from_preset(mesh))] if mesh else []
+        print("pytest -m tt: dry run, nothing was started")
+        print("\n".join(launch_report(meshes, distributed)))
+        pytest.exit("dry run", returncode=0)

@@ -42,6 +42,7 @@ API_ROWS = _rows("Library")
 # Runs in a fresh process: every argv through main(), its output captured; any Popen is a failure.
 DRIVER = r'''
 import contextlib, io, json, subprocess, sys
+sys.modules["pjrt_plugin_tt"] = None  # as on a machine without Tenstorrent's plugin, wherever this runs
 from wan_sharding.cli import main
 started = []
 def refuse(self, args, *a, **k):
@@ -71,8 +72,9 @@ def _fixtures(root: Path) -> dict[str, str]:
     other = root / "sd-model"
     other.mkdir()
     (other / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    ShardingPlan().save(root / "plan-2x4.json")
     return {"file": str(root / "a-file"), "dir": str(root), "unwritable": UNWRITABLE,
-            "badmodel": str(bad), "notwan": str(other)}
+            "badmodel": str(bad), "notwan": str(other), "plan": str(root / "plan-2x4.json")}
 
 
 def _fill(text: str, values: dict[str, str]) -> str:
@@ -88,6 +90,8 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("WAN_SHARDING_DEBUG", None)
+    for k in [k for k in env if k.startswith(("TT_DISTRIBUTED_", "TT_RUNTIME_", "TT_PJRT_", "TT_MLIR_"))]:
+        env.pop(k)  # the worker binary looked for where a machine without the plugin has none
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(DOC.parents[1]), env.get("PYTHONPATH")) if p)
     return env
 

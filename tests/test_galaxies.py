@@ -137,6 +137,14 @@ def test_tiny_compile_on_128_chips_has_the_design_bill(tmp_path) -> None:
     large = {(e.kind, e.axis, e.payload) for e in bill.entries if e.size == "large"}
     assert large == {("all_reduce", "tp", "1x1x1024x128xbf16"), ("all_gather", "sp", "1x2x1024x16xbf16")}
     assert tile_alignment(m2, "4x32-tt-metal")["aligned"]
+    # What crosses the hosts (one per Galaxy, every 8 chips of the sp axis) per block: the K and V
+    # gathers, each 1x2x1024x16 bf16 per chip, 496 chunks over the cuts (a ring of 32 with 4 cuts,
+    # 31 steps, 4 rows: tests/test_multihost.py); TP's all-reduces stay inside each Galaxy.
+    from wan_sharding.compile.cfg import step_figures
+    from wan_sharding.systems import host_cuts
+
+    step = step_figures(m1, m2, 1, 2, 40, 2, host_cuts((4, 32)))
+    assert step["per_block"]["cross_host_bytes"] == 2 * 496 * (2 * 1024 * 16 * 2)
 
 
 # ------------------------------------------------------------------------ planner, 128 chips

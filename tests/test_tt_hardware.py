@@ -1,7 +1,8 @@
 """The ``tt`` backend on real Tenstorrent devices (marker ``tt``; ``pytest -m tt``).
 
 Runs, on the mesh preset that matches this machine's chips (1x4 QuietBox, 2x4 LoudBox, 8x4
-Galaxy; ``WAN_SHARDING_TT_MESH`` overrides): the PCC matrix (the tiny DiT sharded on the chips
+Galaxy; ``WAN_SHARDING_TT_MESH`` overrides; with ``--rank-binding NAME --hosts ...``, the
+binding's global mesh over several hosts, through tt-xla's distributed runtime): the PCC matrix (the tiny DiT sharded on the chips
 against the unsharded one on the CPU, held to the hardware PCC table), the pipeline PCC (a tiny
 Wan 2.2 pipeline with both experts sharded, and restored exactly by ``remove()``) and a warm
 profile (the forward compiled once into one dynamo graph, warm iterations faster than the first).
@@ -33,7 +34,23 @@ SKIP_REASON = tt_stack_missing() or (
 
 pytestmark = [pytest.mark.tt, pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")]
 
-MESH_ENV = "WAN_SHARDING_TT_MESH"
+
+
+@pytest.fixture(scope="module")
+def launch(request) -> tuple:
+    """``(mesh preset or None, distributed launch or None)`` from the run's options (checked once
+    already, in conftest.py's pytest_configure)."""
+    from conftest import launch_options
+
+    from wan_sharding.jobs.first_run import marker_launch
+
+    return marker_launch(launch_options(request.config))
+
+
+@pytest.fixture(scope="module")
+def distributed(launch):
+    """The multi-host launch (a DistributedLaunch as JSON), or None on one host."""
+    return launch[1]
 
 
 # Run in a worker-like process: how many chips torch-xla sees, and what it says they are.
@@ -50,11 +67,11 @@ print("CHIPS " + json.dumps(chips))
 
 
 @pytest.fixture(scope="module")
-def chips() -> dict:
+def chips(distributed) -> dict:
     from wan_sharding.jobs.launch import worker_env
 
-    proc = subprocess.run([sys.executable, "-c", PROBE], env=worker_env("tt", 0), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=worker_env("tt", 0, distributed), capture_output=True,
+                          text=True, timeout=600)
     found = re.findall(r"^CHIPS (.*)$", proc.stdout, re.M)
     assert proc.returncode == 0 and found, f"cannot count the Tenstorrent chips:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
     info = json.loads(found[-1])
@@ -63,13 +80,12 @@ def chips() -> dict:
 
 
 @pytest.fixture(scope="module")
-def tt_mesh(chips) -> str:
-    """The mesh preset for the chips torch-xla sees (``WAN_SHARDING_TT_MESH`` overrides)."""
-    from wan_sharding.mesh import mesh_for_device_count, preset_key
+def tt_mesh(chips, launch) -> str:
+    """The mesh preset for the chips torch-xla sees (``WAN_SHARDING_TT_MESH`` or the rank binding's
+    overrides)."""
+    from wan_sharding.mesh import mesh_for_device_count
 
-    if os.environ.get(MESH_ENV):
-        return preset_key(os.environ[MESH_ENV])
-    return mesh_for_device_count(chips["devices"]).name
+    return launch[0] or mesh_for_device_count(chips["devices"]).name
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +111,14 @@ def outcome(report, test: str):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_pcc_matrix_on_tenstorrent_devices(tt_mesh, report, dtype):
+def test_pcc_matrix_on_tenstorrent_devices(tt_mesh, distributed, report, dtype):
     from wan_sharding.jobs.check import Case, run_in_subprocess
     from wan_sharding.jobs.pcc import HARDWARE_PCC_THRESHOLDS
 
     cases = [Case(length=length, dtype=dtype, padding=padding)
              for length in ("aligned", "padded") for padding in ("mask", "slice")]
     with outcome(report, f"pcc_matrix[{dtype}]"):
-        results = run_in_subprocess("tt", tt_mesh, cases, timeout=3600)
+        results = run_in_subprocess("tt", tt_mesh, cases, timeout=3600, distributed=distributed)
         report.add(f"pcc_{dtype}", [{k: r.get(k) for k in ("mesh", "case", "dtype", "padding", "length", "tokens",
                                                           "padded_tokens", "pcc", "max_abs", "threshold", "ok",
                                                           "seconds")} for r in results])
@@ -113,12 +129,12 @@ def test_pcc_matrix_on_tenstorrent_devices(tt_mesh, report, dtype):
         assert all(r["mesh"] == tt_mesh and r["backend"] == "tt" for r in results)
 
 
-def test_pipeline_pcc_on_tenstorrent_devices(tt_mesh, report):
+def test_pipeline_pcc_on_tenstorrent_devices(tt_mesh, distributed, report):
     from wan_sharding.jobs.generate import compare_in_subprocess
     from wan_sharding.jobs.pcc import pcc_thresholds
 
     with outcome(report, "pipeline_pcc"):
-        [r] = compare_in_subprocess("tt", [tt_mesh], timeout=3600)
+        [r] = compare_in_subprocess("tt", [tt_mesh], timeout=3600, distributed=distributed)
         threshold = pcc_thresholds("tt", pipeline=True)[r["dtype"]]
         report.add("pipeline", {**{k: r.get(k) for k in ("mesh", "dtype", "steps", "pcc", "max_abs", "seconds",
                                                           "bit_identical_after_remove")}, "threshold": threshold})
@@ -129,11 +145,11 @@ def test_pipeline_pcc_on_tenstorrent_devices(tt_mesh, report):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_warm_profile_on_tenstorrent_devices(tt_mesh, report, dtype):
+def test_warm_profile_on_tenstorrent_devices(tt_mesh, distributed, report, dtype):
     from wan_sharding.jobs.profile import TT_NOTE, run_profile
 
     params = {"backend": "tt", "mesh": tt_mesh, "what": ["dit"], "variant": "t2v-a14b", "warmup": 2, "iters": 3,
-              "padding": "mask", "resolution": "tiny", "latent": None, "dtype": dtype}
+              "padding": "mask", "resolution": "tiny", "latent": None, "dtype": dtype, "distributed": distributed}
     with outcome(report, f"warm_profile[{dtype}]"):
         run = run_profile(params, echo=False, timeout=3600)
         assert run.ok, run.output[-4000:]

@@ -55,6 +55,11 @@ PRESET_TABLE: Mapping[str, tuple[tuple[int, int], int, int, str]] = {
     # The quad Galaxy as tt-metal's Wan 2.2 runs it: a 4x32 view, SP 32 on the long axis (its
     # sp_axis=1), TP 4 on the short one. The same roles on the same links as "32x4".
     "4x32-tt-metal": ((4, 32), 1, 0, "4 Galaxies (tt-metal layout)"),
+    # tt-xla's multi-host Wormhole Galaxy systems (rank bindings dual_galaxy and quad_galaxy;
+    # wan_sharding/systems.py): 8x4 Galaxies side by side along the long axis, one host each. SP
+    # over the long axis, which crosses the hosts; TP 8 on the 8-long axis, inside every Galaxy.
+    "8x8-dual-galaxy": ((8, 8), 1, 0, "2 Galaxies, 2 hosts (dual_galaxy)"),
+    "8x16-quad-galaxy": ((8, 16), 1, 0, "4 Galaxies, 4 hosts (quad_galaxy)"),
 }
 # name -> (sp, tp) sizes, for listings and older callers.
 PRESETS: Mapping[str, tuple[int, int]] = {
@@ -180,6 +185,17 @@ class MeshSpec:
     def padded_tokens(self, tokens: int) -> int:
         """``tokens`` padded up to :attr:`seq_multiple`."""
         return padded_length(tokens, self.seq_multiple)
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """The chip grid the mesh covers: its shape, with a cfg axis that was cut out of the axis
+        after it (:func:`with_cfg`, the planner's CFG splits) merged back into that axis."""
+        shape = list(self.shape)
+        cfg = axes_of(self.cfg_axis)
+        if len(shape) > 2 and len(cfg) == 1 and self.axis_names.index(cfg[0]) + 1 < len(shape):
+            i = self.axis_names.index(cfg[0])
+            shape[i:i + 2] = [shape[i] * shape[i + 1]]
+        return tuple(shape)
 
     @property
     def name(self) -> str:

@@ -114,7 +114,7 @@ LAYOUTS = ("replicated", "sharded")
 
 
 # Plan fields a plan file may leave out (they came later; leaving one out means its default).
-OPTIONAL_FIELDS = ("cfg_axes",)
+OPTIONAL_FIELDS = ("cfg_axes", "rank_binding")
 
 
 class PlanError(ValueError):
@@ -137,6 +137,10 @@ class ShardingPlan:
     - ``cfg_axes``: the mesh axes the two guidance branches are split over (CFG parallel, size 2 in
       all; empty: none). Weights are whole across them and split within each group as the plan says;
       a forward's batch of (cond, uncond) halves runs as one program, one half per group.
+    - ``rank_binding``: the multi-host system the plan is for, by the name tt-xla's distributed
+      runtime takes (``quad_galaxy``, ...; :data:`wan_sharding.systems.RANK_BINDINGS`); its mesh must
+      then be that system's global mesh. Empty: no binding (one host, or not said). A ``--backend tt``
+      command run with the plan launches on that binding.
 
     ``shard_dit_specs(dit, plan.mesh(), fsdp=plan.fsdp)`` and ``apply_dit_sp_activation_sharding(dit,
     plan.mesh(), plan=plan)`` apply it; ``save``/``load`` write it as JSON.
@@ -150,6 +154,7 @@ class ShardingPlan:
     layout: str = "replicated"
     padding: str = DEFAULT_PADDING
     cfg_axes: tuple[str, ...] = ()
+    rank_binding: str = ""
 
     def __post_init__(self) -> None:
         # Every field checked for type and value: a plan comes from JSON files people edit, where
@@ -193,6 +198,15 @@ class ShardingPlan:
             raise PlanError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
         if self.padding not in PADDING_NAMES:
             raise PlanError(f"unknown padding {self.padding!r}; choose one of {', '.join(PADDING_NAMES)}")
+        if not isinstance(self.rank_binding, str):
+            raise PlanError(f"plan field 'rank_binding' must be a name such as 'quad_galaxy', got {self.rank_binding!r}")
+        if self.rank_binding:
+            from .systems import BindingError, check_binding_grid, rank_binding
+
+            try:
+                check_binding_grid(rank_binding(self.rank_binding), self.mesh().grid, "the plan's mesh")
+            except BindingError as e:
+                raise PlanError(f"plan field 'rank_binding': {e}") from None
 
     def mesh(self):
         """The :class:`~wan_sharding.mesh.MeshSpec` with this plan's roles."""
@@ -220,7 +234,9 @@ class ShardingPlan:
                 f"{' fsdp' if self.fsdp else ''} {self.layout}-D {self.padding}")
 
     def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        """The plan's fields as JSON values (``rank_binding`` only when there is one)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()
+                if k != "rank_binding" or v}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "ShardingPlan":

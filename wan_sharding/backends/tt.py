@@ -334,13 +334,19 @@ class TTBackend(XlaBackend):
 
     @classmethod
     def worker_env(cls, num_devices: int) -> dict[str, str]:
-        """Environment for a worker that runs the tt backend on this machine's Tenstorrent chips:
-        the user's environment with the TT device selected; the device count comes from the chips
-        (``num_devices`` is not used). BackendError when the stack is missing."""
+        """Environment for a worker that runs the tt backend on this machine's Tenstorrent chips
+        (:func:`tt_worker_env`); the device count comes from the chips (``num_devices`` is not
+        used). BackendError when the stack is missing."""
         check_tt_stack()
         TTCompileOptions.of(None)  # a bad WAN_SHARDING_TT_COMPILE_OPTIONS: one line here, before any worker
-        env = dict(os.environ)
-        env["PJRT_DEVICE"] = "TT"  # not CPU, whatever the parent process defaulted it to
-        env.pop("CPU_NUM_DEVICES", None)
-        env.setdefault("CONVERT_SHLO_TO_SHARDY", "1")
-        return with_xla_flags(env)
+        return tt_worker_env(os.environ)
+
+
+def tt_worker_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` as a tt worker gets it: the TT device selected, no CPU device count, Shardy for
+    tt-mlir, the user's XLA flags without the CPU ones. Checks nothing (a dry run prints it)."""
+    env = dict(environ)
+    env["PJRT_DEVICE"] = "TT"  # not CPU, whatever the parent process defaulted it to
+    env.pop("CPU_NUM_DEVICES", None)
+    env.setdefault("CONVERT_SHLO_TO_SHARDY", "1")
+    return with_xla_flags(env)

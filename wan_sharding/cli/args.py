@@ -108,3 +108,38 @@ def add_plan(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--plan", type=plan_file, metavar="PLAN.json",
                     help="a sharding plan written by `wan-sharding plan --write`: its mesh, axis roles, FSDP, layout "
                          "and padding are applied (--mesh / --padding then must agree or be left out)")
+
+
+def binding_name(text: str) -> str:
+    """A rank binding tt-xla's plugin knows (``wan_sharding.systems.RANK_BINDINGS``)."""
+    from ..systems import BindingError, rank_binding
+
+    try:
+        return rank_binding(text).name
+    except BindingError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_multihost(ap: argparse.ArgumentParser, launch: bool = True) -> None:
+    """``--rank-binding NAME``: a system of several hosts run by tt-xla's distributed runtime
+    (``docs/tt-backend.md``, "Beyond one host"). With ``launch`` (the commands that run ``--backend
+    tt``), also the hosts, the controller, MPI's network interface and remote shell, and
+    ``--dry-run``; the checks are :func:`wan_sharding.cli.validate.check_launch`'s."""
+    from ..systems import RANK_BINDINGS
+
+    g = ap.add_argument_group("several hosts (tt-xla's distributed runtime; docs/tt-backend.md)")
+    g.add_argument("--rank-binding", type=binding_name, metavar="NAME",
+                   help=f"the system, as tt-xla's plugin names it: {', '.join(RANK_BINDINGS)}; the mesh must be its "
+                        "global mesh (default: its preset)" + ("" if launch else "; its hosts are planned for"))
+    if not launch:
+        return
+    g.add_argument("--hosts", metavar="H1,H2,...", help="the hosts, one MPI rank each, in rank order")
+    g.add_argument("--hostfile", metavar="PATH", help="an MPI hostfile instead of --hosts")
+    g.add_argument("--controller", metavar="HOST",
+                   help="the host this command runs on, where the workers connect back to (default: the first host)")
+    g.add_argument("--tcp-iface", metavar="IFACE", help="the network interface MPI uses between the hosts")
+    g.add_argument("--rsh-agent", metavar="SCRIPT",
+                   help="the script MPI reaches a host with (containers only; default: ssh)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the resolved mesh, binding, hosts and the tt worker's environment, then exit 0 "
+                        "without starting anything")

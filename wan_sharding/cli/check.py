@@ -12,8 +12,9 @@ from ..jobs.pcc import PCC_THRESHOLDS, grade
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
 from ..options import CPU_BACKENDS, EXECUTING_BACKENDS
-from .args import add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, preset, stack_missing
-from .validate import UsageError, apply_plan, cfg_plan, check_length, check_rope_length
+from .args import add_cfg, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan, preset, stack_missing
+from .dryrun import dry_run
+from .validate import UsageError, apply_plan, binding_mesh, cfg_plan, check_launch, check_length, check_rope_length
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 CFG_MESHES = ("2x4", "8x4")  # --cfg 2: the presets with an even SP axis to cut in two
@@ -26,16 +27,19 @@ def _validate_check(args: argparse.Namespace) -> None:
         if args.plan is not None:
             raise UsageError("--cfg 2 with --plan: the plan says whether it has a cfg axis; leave --cfg out")
         # one plan per mesh, each cut into guidance groups (a mesh that cannot be: one line, now)
-        args.cfg_plans = {m: cfg_plan(m, 2, args.padding) for m in (args.meshes or CFG_MESHES)}
+        args.cfg_plans = {m: cfg_plan(m, 2, args.padding) for m in (args.meshes or binding_mesh(args, CFG_MESHES))}
         args.meshes = list(args.cfg_plans)
-    apply_plan(args, list(DEFAULT_MESHES), "--meshes")
+    apply_plan(args, binding_mesh(args, list(DEFAULT_MESHES)), "--meshes")
     for length in args.lengths:
         if length not in CASE_LATENTS:
             check_rope_length(length, config_for(args.variant)["rope_max_seq_len"], "--lengths")
+    check_launch(args, args.backends)
 
 
 def _check(args: argparse.Namespace) -> int:
     _validate_check(args)
+    if dry_run(args, "check"):
+        return 0
     if args.plan is not None and not args.json:
         print(f"plan: {args.plan.name}")
     if stack_missing(args.backends):
@@ -48,7 +52,7 @@ def _check(args: argparse.Namespace) -> int:
         for mesh in args.meshes:
             plan = getattr(args, "cfg_plans", {}).get(mesh, args.plan)
             label = f"{mesh}-cfg2" if plan is not None and plan.cfg_axes else mesh
-            for r in run_in_subprocess(backend, label, cases, plan=plan):
+            for r in run_in_subprocess(backend, label, cases, plan=plan, distributed=args.distributed):
                 failed |= not r["ok"]
                 rows.append(r)
                 if not args.json:
@@ -107,6 +111,12 @@ def _meshes(args: argparse.Namespace) -> int:
         print(f"{name:{w_name}}  {PRESET_MACHINES[name]:{w_machine}}  devices {m.num_devices:3}  "
               f"shape {'x'.join(map(str, m.shape)):5} sp={m.sp:<2} tp={m.tp}  "
               f"tokens padded to a multiple of {m.seq_multiple:<4} --cfg 2: {cfg}")
+    from ..systems import RANK_BINDINGS, served_presets
+
+    print("\nrank bindings of tt-xla's distributed runtime (--rank-binding; docs/tt-backend.md):")
+    w = max(map(len, RANK_BINDINGS))
+    for b in RANK_BINDINGS.values():
+        print(f"{b.name:{w}}  {b.summary}; presets: {', '.join(served_presets(b)) or 'none (a plan)'}")
     return 0
 
 
@@ -127,6 +137,7 @@ def add_subcommands(sub: Any) -> None:
     add_padding(check, None)
     add_patches(check)
     check.add_argument("--json", action="store_true")
+    add_multihost(check)
     check.set_defaults(func=_check, validate=_validate_check)
 
     specs = sub.add_parser("specs", help="print the partition spec of every parameter")

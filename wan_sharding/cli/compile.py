@@ -24,8 +24,11 @@ from ..compile.composites import COMPOSITE_SETS, DEFAULT_COMPOSITES
 from ..compile.request import FRONTENDS
 from ..models import RESOLUTIONS, VARIANTS
 from ..workers import atomic_write
-from .args import add_cfg, add_dtype, add_padding, add_patches, add_plan
-from .validate import apply_plan, compile_options, latent, output_dir, output_file, positive_float, positive_int
+
+DEFAULT_ARCH = "wormhole_b0"
+from .args import add_cfg, add_dtype, add_multihost, add_padding, add_patches, add_plan
+from .validate import (apply_plan, binding_mesh, check_binding, compile_options, latent, output_dir, output_file,
+                       positive_float, positive_int)
 
 
 def _validate_sysdesc(args: argparse.Namespace) -> None:
@@ -62,7 +65,14 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
 
 
 def _validate_compile(args: argparse.Namespace) -> None:
-    apply_plan(args, "8x4")
+    from ..systems import rank_binding
+
+    apply_plan(args, binding_mesh(args, "8x4"))
+    args.rank_binding = args.rank_binding or (args.plan.rank_binding if args.plan is not None else None) or None
+    if args.rank_binding:
+        args.arch = args.arch or rank_binding(args.rank_binding).arch
+        check_binding(args)
+    args.arch = args.arch or DEFAULT_ARCH
     if args.out:
         output_dir(args.out, "--out")
 
@@ -92,7 +102,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         else:
             req = (CompileRequest.for_plan(args.plan, **fields) if args.plan is not None
                    else CompileRequest(mesh=args.mesh, padding=args.padding, **fields)).validate()
-        report = compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
+        report = compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose,
+                                 rank_binding=args.rank_binding)[0]
     except (CompileError, ValueError) as e:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
@@ -137,7 +148,8 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
     c.add_argument("--blocks", type=positive_int, default=None, help="transformer blocks (default: all of the variant's)")
     c.add_argument("--size", choices=["full", "tiny"], default="full", help="real widths or the tiny test config")
-    c.add_argument("--arch", choices=archs, default="wormhole_b0")
+    c.add_argument("--arch", choices=archs, default=None,
+                   help=f"chip architecture (default {DEFAULT_ARCH}, or the rank binding's)")
     add_padding(c, None)
     add_dtype(c, "bf16")
     c.add_argument("--batch", type=positive_int, default=1,
@@ -165,4 +177,5 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds for both compiles (default 3600)")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     c.add_argument("-v", "--verbose", action="store_true", help="echo the compiler log")
+    add_multihost(c, launch=False)
     c.set_defaults(func=_cmd_compile, validate=_validate_compile)

@@ -15,8 +15,9 @@ from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
 from ..options import EXECUTING_BACKENDS
-from .args import add_cache, add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, stack_missing
-from .validate import apply_plan, check_generate, check_profile
+from .args import add_cache, add_cfg, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan, stack_missing
+from .dryrun import dry_run
+from .validate import apply_plan, binding_mesh, check_generate, check_launch, check_profile
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
 
@@ -30,18 +31,22 @@ def worker_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _validate_generate(args: argparse.Namespace) -> None:
-    apply_plan(args, "2x4")
+    apply_plan(args, binding_mesh(args, "2x4"))
     check_generate(args)
     check_video_format(args.video_format)
+    check_launch(args, [args.backend])
 
 
 def _validate_profile(args: argparse.Namespace) -> None:
     check_profile(args)  # before apply_plan: it refuses --plan with --mesh unsharded
-    apply_plan(args, "2x4")
+    apply_plan(args, binding_mesh(args, "2x4"))
+    check_launch(args, [args.backend])
 
 
 def _generate(args: argparse.Namespace) -> int:
     _validate_generate(args)
+    if dry_run(args, "generate"):
+        return 0
     if stack_missing([args.backend]):
         return 1
     run = run_generate(worker_params(args))
@@ -52,6 +57,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     _validate_profile(args)
+    if dry_run(args, "profile"):
+        return 0
     if stack_missing([args.backend]):
         return 1
     run = run_profile(worker_params(args), echo=not args.json)
@@ -74,6 +81,7 @@ def add_pipeline_source(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
                     help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
     ap.add_argument("--model", help="a local diffusers Wan 2.2 checkpoint directory (needs transformers)")
+    add_multihost(ap)
 
 
 def add_subcommands(sub: Any) -> None:
@@ -120,4 +128,5 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--latent", help="latent shape F,H,W (overrides --resolution)")
     add_dtype(p, "fp32")
     p.add_argument("--json", action="store_true")
+    add_multihost(p)
     p.set_defaults(func=_profile, validate=_validate_profile)

@@ -1,12 +1,14 @@
 """``plan``: rank sharding plans for a Tenstorrent mesh and recommend one (arguments and printing only).
 
     wan-sharding plan --mesh 8x4 --arch wormhole_b0 --resolution 480p [--variant t2v-a14b]
-                      [--top K] [--json] [--write PLAN.json]
+                      [--top K] [--json] [--write PLAN.json] [--rank-binding NAME]
 
 Prints a ranked table (plan, memory per chip, per-block collective bill, estimated seconds per
 forward and why each plan lost) and the recommended plan (:func:`wan_sharding.planner.plan_sharding`,
 :func:`wan_sharding.planner.report.format_report`); ``--write`` saves it as a ``ShardingPlan`` JSON
-file for ``shard_dit_specs(dit, ShardingPlan.load(path))``.
+file for ``shard_dit_specs(dit, ShardingPlan.load(path))``. On a mesh of several hosts (several
+Galaxies, or ``--rank-binding``) it says which axis crosses hosts and what crosses them per step;
+``--rank-binding`` plans for that system (its global mesh and chips) and the written plan carries it.
 
 Exit codes: 0 a plan was recommended; 1 nothing to recommend (no legal plan, or tt-mlir rejected
 every survivor); 2 bad arguments or the compiler could not be run.
@@ -15,6 +17,7 @@ every survivor); 2 bad arguments or the compiler could not be run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -31,14 +34,26 @@ from ..planner.report import EXIT_ERROR, format_report, plan_exit_code
 from ..plan import LAYOUTS
 from ..mesh import MeshError, parse_mesh_shape
 from ..workers import atomic_path
-from .validate import UsageError, latent, output_dir, output_file, positive_float, positive_int
+from .args import add_multihost
+from .validate import UsageError, check_binding, latent, output_dir, output_file, positive_float, positive_int
+
+DEFAULT_MESH, DEFAULT_ARCH = "8x4", "wormhole_b0"
 
 
 def _validate_plan(args: argparse.Namespace) -> None:
+    from ..systems import rank_binding, served_presets
+
+    if args.rank_binding:  # its mesh and chips unless given (check_binding: given ones must agree)
+        binding = rank_binding(args.rank_binding)
+        args.mesh = args.mesh or (served_presets(binding) or ["x".join(map(str, binding.grid))])[0]
+        args.arch = args.arch or binding.arch
+    args.mesh, args.arch = args.mesh or DEFAULT_MESH, args.arch or DEFAULT_ARCH
     try:
         parse_mesh_shape(args.mesh)
     except MeshError as e:
         raise UsageError(f"--mesh: {e}") from None
+    if args.rank_binding:
+        check_binding(args)
     if args.write:
         output_file(args.write, "--write")
     if args.out:
@@ -55,7 +70,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                latent_for(None, args.latent) if args.latent else None, top=args.top,
                                compile=not args.no_compile, attention=args.attention, topology=args.topology,
                                work_dir=args.out, timeout=args.timeout, keep=keep, cfg_split=args.cfg_split,
-                               progress=progress)
+                               progress=progress, rank_binding_name=args.rank_binding)
     except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
@@ -65,8 +80,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     data = report.to_json()
     data["wall_seconds"] = round(time.perf_counter() - t0, 2)
     if args.write and report.recommended is not None:
+        written = report.recommended.full_plan  # a CFG split: the plan with its cfg axes
+        if args.rank_binding:
+            written = dataclasses.replace(written, rank_binding=args.rank_binding)
         with atomic_path(args.write) as tmp:  # the plan's own format, renamed into place when complete
-            report.recommended.full_plan.save(tmp)  # a CFG split: the plan with its cfg axes
+            written.save(tmp)
         data["written"] = str(args.write)
     if args.verify and report.recommended is not None and not report.recommended.cfg_axis:
         from ..jobs.placement import verify_in_subprocess
@@ -98,8 +116,10 @@ def add_subcommands(sub: Any) -> None:
         description="Two-stage planner: enumerate SP/TP axis assignments, FSDP, layout and padding; filter by "
                     "divisibility, tiles and per-chip memory; rank analytically; compile the best with tt-mlir "
                     "(compile-only) and rank them on a model of the chip fabric.")
-    p.add_argument("--mesh", default="8x4", help="physical chip grid ROWSxCOLS (default 8x4)")
-    p.add_argument("--arch", choices=list(ARCHS), default="wormhole_b0")
+    p.add_argument("--mesh", default=None, help=f"physical chip grid ROWSxCOLS or a preset (default {DEFAULT_MESH}, or "
+                                                "the rank binding's)")
+    p.add_argument("--arch", choices=list(ARCHS), default=None,
+                   help=f"chip architecture (default {DEFAULT_ARCH}, or the rank binding's)")
     p.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
     p.add_argument("--latent", default=None, type=latent, help="latent F,H,W instead of a resolution")
     p.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
@@ -125,4 +145,5 @@ def add_subcommands(sub: Any) -> None:
                    help="place the recommended plan on the full-size experts (abstract weights, JAX CPU devices) and "
                         "report the bytes per device next to the planner's count")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    add_multihost(p, launch=False)
     p.set_defaults(func=_cmd_plan, validate=_validate_plan)

@@ -9,10 +9,13 @@ from typing import Any
 
 from ..jobs.requests import check_video_format
 from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
+from .dryrun import dry_run
 from .pipeline import add_pipeline_source, worker_params
 from .validate import (
     UsageError,
     apply_plan,
+    binding_mesh,
+    check_launch,
     check_counts,
     check_video,
     model_dir,
@@ -50,8 +53,9 @@ def check_serve(args: argparse.Namespace) -> None:
 
 
 def _validate_serve(args: argparse.Namespace) -> None:
-    apply_plan(args, "2x4")
+    apply_plan(args, binding_mesh(args, "2x4"))
     check_serve(args)
+    check_launch(args, [args.backend])
 
 
 def _validate_submit(args: argparse.Namespace) -> None:
@@ -70,6 +74,8 @@ def _validate_submit(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     _validate_serve(args)
+    if dry_run(args, "serve"):
+        return 0
     if stack_missing([args.backend]):
         return 1
     from ..serve.server import serve

@@ -11,7 +11,8 @@ The parsing is :mod:`wan_sharding.compile.ttnn_ir`'s; this module interprets wha
 - **tile alignment** of the per-device token dims split over SP (:func:`tile_alignment`,
   ``docs/tt-mlir-notes.md``);
 - **what padding costs**: op counts split into per block and once per forward (:func:`split_ops`),
-  and the padded graph against the same graph unpadded (:func:`padding_cost`).
+  and the padded graph against the same graph unpadded (:func:`padding_cost`);
+- **what crosses hosts** on a mesh of several (:func:`host_link_bytes`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ..mesh import TILE, MeshSpec, as_mesh_spec
+from ..systems import RING_KINDS, HostCuts
 from .ttnn_ir import Collective, Op, TTNNModule, format_bytes, ttir_attention
 
 # Ops that only move data (no arithmetic): what a padding mode may add.
@@ -258,6 +260,27 @@ def collective_table(module: TTNNModule, mesh: MeshSpec | str | None = None) -> 
                      "payload": str(c.payload), "result": str(c.result), "bytes": c.bytes})
     rows.sort(key=lambda r: (r["kind"], -r["count"], -r["bytes"]))
     return rows
+
+
+# ------------------------------------------------------------------------------ hosts
+
+
+def host_link_bytes(collectives: Iterable[Collective], cuts: HostCuts) -> float:
+    """Bytes the collectives move over the links between hosts, the whole mesh together
+    (:meth:`~wan_sharding.systems.HostCuts.link_bytes`). The SP scatter moves nothing; an RMSNorm's
+    statistics exchanged inside ``distributed_rms_norm`` (a value per row) are left out; a
+    collective of another kind counts as an all-gather of its operand, as the planner charges it."""
+    total = 0.0
+    for c in collectives:
+        if c.kind in ("mesh_partition", "distributed_rms_norm") or c.cluster_axis is None:
+            continue
+        if c.cluster_axis >= len(cuts.grid):
+            continue
+        n = cuts.grid[c.cluster_axis]
+        kind = c.kind if c.kind in RING_KINDS else "all_gather"
+        chunk = {"reduce_scatter": c.result.bytes, "all_reduce": c.payload.bytes / max(n, 1)}.get(kind, c.payload.bytes)
+        total += cuts.link_bytes(kind, chunk, c.cluster_axis)
+    return total
 
 
 # ------------------------------------------------------------------------------ tile alignment

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..mesh import CFG_BRANCHES
 from ..plan import ShardingPlan
+from ..systems import HostCuts, host_cuts, rank_binding
 from .request import CompileError, CompileRequest
 from .ttnn_ir import TTNNModule
 
@@ -128,21 +129,43 @@ def request_cfg(req: CompileRequest) -> CfgCompile:
 # --------------------------------------------------------------------------------- per step
 
 
-def _forward_counts(module: TTNNModule) -> dict[str, float]:
+def _forward_counts(module: TTNNModule, cuts: HostCuts | None = None) -> dict[str, float]:
     """A program's collectives (count, large ones, bytes per device: results, the SP scatter's
-    local slices left out) and its runtime ops (bookkeeping left out)."""
+    local slices left out) and its runtime ops (bookkeeping left out); with ``cuts``, also the
+    bytes its collectives move between hosts (the whole mesh)."""
+    from .bill import host_link_bytes
+
     moving = [c for c in module.collectives if c.kind != "mesh_partition"]
-    return {"collectives": len(moving), "large_collectives": sum(1 for c in moving if c.size == "large"),
-            "collective_bytes": sum(c.bytes for c in moving),
-            "runtime_ops": sum(module.program_ops(const_eval=False).values())}
+    out = {"collectives": len(moving), "large_collectives": sum(1 for c in moving if c.size == "large"),
+           "collective_bytes": sum(c.bytes for c in moving),
+           "runtime_ops": sum(module.program_ops(const_eval=False).values())}
+    if cuts is not None:
+        out["cross_host_bytes"] = host_link_bytes(moving, cuts)
+    return out
+
+
+def host_cuts_for(how: CfgCompile, binding: str | None = None) -> tuple[HostCuts | None, int]:
+    """``(cuts, programs)``: where the hosts fall on the mesh of the program ``how`` compiles, and
+    how many such programs a step runs at once (a cfg plan compiled per group: one per group; else
+    one). The whole mesh's hosts are ``binding``'s, or one per Galaxy (None: one host)."""
+    whole = how.plan.mesh().grid
+    if len(whole) != 2:
+        return None, 1
+    cuts = host_cuts(whole, rank_binding(binding) if binding else None)
+    if cuts is None or how.how != PER_GROUP:
+        return cuts, 1
+    group = how.compiled_plan.mesh().grid
+    axis = next(i for i in range(2) if group[i] != whole[i])
+    return cuts.part(axis, whole[axis] // group[axis]), whole[axis] // group[axis]
 
 
 def step_figures(shallow: TTNNModule, deep: TTNNModule, shallow_blocks: int, deep_blocks: int, layers: int,
-                 forwards_per_step: int) -> dict[str, Any]:
+                 forwards_per_step: int, cuts: HostCuts | None = None) -> dict[str, Any]:
     """Per device, for a model of ``layers`` blocks: per block, per forward (once-per-forward part
     + ``layers`` x per block, from the two depths' difference) and per denoising step
-    (``forwards_per_step`` x per forward)."""
-    a, b = _forward_counts(shallow), _forward_counts(deep)
+    (``forwards_per_step`` x per forward). With ``cuts`` each also has ``cross_host_bytes``: what the
+    whole mesh moves between hosts."""
+    a, b = _forward_counts(shallow, cuts), _forward_counts(deep, cuts)
     n = deep_blocks - shallow_blocks
     per_block = {k: (b[k] - a[k]) / n for k in a}
     per_forward = {k: a[k] - shallow_blocks * per_block[k] + layers * per_block[k] for k in a}

@@ -9,7 +9,9 @@ compile-only mode can check: the per-block collective bill against the design
 (``docs/tt-mlir-notes.md``). It also counts the TTNN ops one block adds to the step's program
 (``runtime_ops_per_block``) apart from those tt-mlir hoisted into const-eval functions, run once at
 load (``const_eval_ops_per_block``, ``const_eval_ops``), and the roles the arguments had
-(:mod:`.marking`).
+(:mod:`.marking`). On a mesh of several hosts (several Galaxies, one host each, or a rank binding)
+it says which axes cross hosts and what the whole mesh moves between them per denoising step
+(``hosts``).
 
 Exit codes (:func:`report_exit_code`): :data:`EXIT_OK` all checks pass; :data:`EXIT_CHECK_FAILED`
 the bill differs from the design or a token dim is not tile-aligned; :data:`EXIT_ERROR` bad
@@ -26,7 +28,7 @@ from ..mesh import TILE
 from ..models import config_for
 from . import bill as ir_bill
 from .causes import per_block_causes
-from .cfg import request_cfg, step_figures
+from .cfg import host_cuts_for, request_cfg, step_figures
 from .request import CompileRequest, CompileResult
 from .runner import compile_many
 from .ttnn_ir import REPORTED_OPS, TTNNModule, format_bytes, ttir_attention
@@ -39,9 +41,10 @@ def base_depth(blocks: int) -> int:
     return 1 if blocks > 1 else 2
 
 
-def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, Any]:
+def build_report(main: CompileResult, base: CompileResult | None, rank_binding: str | None = None) -> dict[str, Any]:
     """One compile's summary: op histogram, collectives, per-block bill against the design, tile
-    alignment, times. ``base`` is the shallower compile of the same configuration (or None)."""
+    alignment, times. ``base`` is the shallower compile of the same configuration (or None).
+    ``rank_binding``: the multi-host system the mesh is (default: one host per Galaxy)."""
     req = main.request
     mesh = req.mesh_spec()
     how = request_cfg(req)
@@ -112,6 +115,9 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
                                   how.branch_batch, req.dtype)
     problems = ir_bill.bill_problems(bill, mesh, budget, prompt_kv="prompt_kv" in req.patches)
     causes = per_block_causes(shallow, module, base.request.num_blocks, req.num_blocks)
+    cuts, programs = host_cuts_for(how, rank_binding)
+    step = step_figures(shallow, module, base.request.num_blocks, req.num_blocks,
+                        config_for(req.variant, req.size)["num_layers"], how.forwards_per_step, cuts)
     report.update(
         design_bytes=budget.to_json(),
         per_block=bill.counts(), per_block_totals=bill.totals(),
@@ -123,20 +129,42 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         base_blocks=base.request.num_blocks, base_compile_seconds=base.compile_seconds,
         # per device at the model's depth: per block, per forward and per denoising step (guidance
         # on: 2 forwards without CFG parallel, 1 with it), so SP and cfg layouts compare per step
-        step=step_figures(shallow, module, base.request.num_blocks, req.num_blocks,
-                          config_for(req.variant, req.size)["num_layers"], how.forwards_per_step),
+        step=step,
+        hosts=hosts_report(how, rank_binding, cuts, programs, step),
     )
     return report
 
 
+def hosts_report(how: Any, rank_binding: str | None, cuts: Any, programs: int,
+                 step: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the hosts fall on the mesh, which axes (and roles) cross them, and the bytes the whole
+    mesh moves between hosts per denoising step (None on one host)."""
+    from ..mesh import axes_of
+    from ..systems import host_cuts
+    from ..systems import rank_binding as binding_named
+
+    mesh = how.plan.mesh()
+    whole = host_cuts(mesh.grid, binding_named(rank_binding) if rank_binding else None) if len(mesh.grid) == 2 else None
+    if whole is None:
+        return None
+    names = [n for n in mesh.axis_names if n not in axes_of(mesh.cfg_axis) or len(mesh.shape) == 2]
+    roles = {a: role.upper() for role in ("sp", "tp", "cfg") for a in axes_of(mesh.roles.get(role))}
+    per_step = step["per_step"].get("cross_host_bytes", 0.0) * programs if cuts is not None else 0.0
+    return {"hosts": whole.hosts, "source": whole.source, "rank_binding": rank_binding,
+            "crossing_axes": [{"axis": names[i], "role": roles.get(names[i]), "chips_per_host": whole.segment(i)}
+                              for i in whole.crossing_axes()],
+            "cross_host_bytes_per_step": per_step}
+
+
 def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0", *, timeout: float = 3600.0,
                     work_dir: str | Path | None = None, verbose: bool = False,
-                    padding_cost: bool = True) -> list[dict[str, Any]]:
+                    padding_cost: bool = True, rank_binding: str | None = None) -> list[dict[str, Any]]:
     """Compile each request and its shallow twin in one worker batch; one report per request.
 
     A padded request also gets the same two depths compiled unpadded (unless ``padding_cost`` is
     False), so the report can name the ops that are there only because of padding
-    (``padding_ops_per_block`` / ``_per_forward``).
+    (``padding_ops_per_block`` / ``_per_forward``). ``rank_binding``: the multi-host system every
+    request's mesh is (:func:`build_report`).
     """
     def twin(r: CompileRequest, suffix: str, **changes: Any) -> CompileRequest:
         out = None if r.out_dir is None else str(Path(r.out_dir).with_name(Path(r.out_dir).name + suffix))
@@ -155,7 +183,7 @@ def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0
     reports = []
     for r, group in zip(requests, groups):
         res = [next(results) for _ in group]
-        report = build_report(res[0], res[1])
+        report = build_report(res[0], res[1], rank_binding)
         if len(res) == 4:
             report.update(padding_report(res[:2], res[2:]))
         elif r.padding == "none":  # unpadded: nothing is there because of padding
@@ -240,9 +268,18 @@ def step_lines(report: dict[str, Any]) -> list[str]:
         return (f"{d['collectives']:g} collectives ({d['large_collectives']:g} large), "
                 f"{format_bytes(d['collective_bytes'])} moved, {d['runtime_ops']:g} runtime ops")
 
-    return [f"per denoising step ({f} forward{'s' if f > 1 else ''}: {why}), per device, {step['blocks']} blocks:",
-            f"  per block x {f}: {row(step['per_block_per_step'])}",
-            f"  per step:       {row(step['per_step'])}"]
+    lines = [f"per denoising step ({f} forward{'s' if f > 1 else ''}: {why}), per device, {step['blocks']} blocks:",
+             f"  per block x {f}: {row(step['per_block_per_step'])}",
+             f"  per step:       {row(step['per_step'])}"]
+    hosts = report.get("hosts")
+    if hosts:
+        axes = ", ".join(f"{a['axis']} ({a['role'] or 'idle'}) every {a['chips_per_host']} chips"
+                         for a in hosts["crossing_axes"])
+        binding = f"rank binding {hosts['rank_binding']}" if hosts.get("rank_binding") else hosts["source"]
+        lines.append(f"hosts: {hosts['hosts']} ({binding}); crossing hosts: {axes}; "
+                     f"{format_bytes(hosts['cross_host_bytes_per_step'])} between hosts per denoising step "
+                     "(the whole mesh)")
+    return lines
 
 
 def format_report(report: dict[str, Any], top: int = 25) -> str:

@@ -70,20 +70,22 @@ class Case:
 
 
 def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path | None = None,
-                      timeout: float = 1200, plan: Any = None) -> list[dict[str, Any]]:
+                      timeout: float = 1200, plan: Any = None,
+                      distributed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Run ``cases`` for one backend on one mesh in a fresh process; returns the result dicts,
     each with ``ok``: PCC at or above the dtype's threshold (``threshold``) and, fp32 on CPU, the
     largest |difference| within ``max_abs_bound`` (:func:`~wan_sharding.jobs.pcc.grade`; on ``tt``
     the hardware PCC table alone). BackendError, before any process
     starts, when the backend's stack is missing (``tt`` without Tenstorrent's stack).
     ``plan``: a ShardingPlan applied instead of the preset's roles (``mesh`` is then its mesh name;
-    each case's padding must be the plan's)."""
+    each case's padding must be the plan's). ``distributed``: a tt launch over several hosts
+    (:func:`~wan_sharding.jobs.launch.worker_env`)."""
     from ..mesh import mesh_from_preset
 
     params = {"backend": backend, "mesh": mesh, "cases": [str(c) for c in cases],
               "save": None if save is None else str(save), "plan": None if plan is None else plan.to_dict()}
     devices = plan_devices(plan) if plan is not None else mesh_from_preset(mesh).num_devices
-    run = run_worker("wan_sharding.jobs.check", params, worker_env(backend, devices),
+    run = run_worker("wan_sharding.jobs.check", params, worker_env(backend, devices, distributed),
                      label=f"{backend} check worker on {mesh}", timeout=timeout, stall_s=stall_seconds(backend))
     if not run.ok:
         raise WorkerError(f"{backend} worker on {mesh} failed (exit {run.returncode}):\n{run.output[-4000:]}")

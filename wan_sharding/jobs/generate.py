@@ -38,19 +38,21 @@ def run_generate(params: dict[str, Any], echo: bool = True) -> WorkerRun:
     """Run one ``generate`` (``params``: the command's options) in a worker; its lines are printed
     as they come when ``echo``."""
     devices = plan_devices(params["plan"]) if params.get("plan") else num_devices([params["mesh"]])
-    return run_worker(WORKER, {"kind": "generate", **params}, worker_env(params["backend"], devices),
+    return run_worker(WORKER, {"kind": "generate", **params},
+                      worker_env(params["backend"], devices, params.get("distributed")),
                       label=f"{params['backend']} worker (generate)", echo=echo,
                       stall_s=stall_seconds(params["backend"]))
 
 
 def compare_in_subprocess(backend: str, meshes: list[str], variant: str = "t2v-a14b", steps: int = 2,
                           padding: str = DEFAULT_PADDING, dtype: str = "fp32", seed: int = 0,
-                          timeout: float = 900) -> list[dict[str, Any]]:
+                          timeout: float = 900, distributed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Sharded vs unsharded pipeline latents for each mesh, in one worker process (JAX runs every
     mesh on a subset of one process's devices; torch-xla needs one process per mesh size).
-    Each result also says whether ``remove()`` restored the pipeline exactly."""
+    Each result also says whether ``remove()`` restored the pipeline exactly. ``distributed``: a tt
+    launch over several hosts (:func:`~wan_sharding.jobs.launch.worker_env`)."""
     params = dict(kind="compare", meshes=meshes, variant=variant, steps=steps, padding=padding, dtype=dtype,
-                  seed=seed, backend=backend)
+                  seed=seed, backend=backend, distributed=distributed)
     return _comparison_worker(params, [mesh_from_preset(m).num_devices for m in meshes], timeout)
 
 
@@ -61,7 +63,8 @@ def _comparison_worker(params: dict[str, Any], device_counts: list[int], timeout
     backend, kind = params["backend"], params["kind"]
     if backend in ("xla", "tt") and len(set(device_counts)) > 1:
         raise ValueError(f"the {backend} backend runs one device count per process; call once per device count")
-    run = run_worker(WORKER, params, worker_env(backend, max(device_counts)), label=f"{backend} worker ({kind})",
+    run = run_worker(WORKER, params, worker_env(backend, max(device_counts), params.get("distributed")),
+                     label=f"{backend} worker ({kind})",
                      stall_s=stall_seconds(backend), timeout=timeout)
     if not run.ok:
         raise WorkerError(f"{backend} {kind} worker failed (exit {run.returncode}):\n{run.output[-4000:]}")

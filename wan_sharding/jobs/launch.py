@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ..mesh import mesh_from_preset
 
@@ -35,12 +35,32 @@ def check_stacks(backends: Iterable[str]) -> None:
             check_tt_stack()
 
 
-def worker_env(backend: str, devices: int) -> dict[str, str]:
+def worker_env(backend: str, devices: int, distributed: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The environment a worker process needs to run ``backend`` on ``devices`` CPU devices, or,
-    for ``tt``, on this machine's Tenstorrent chips (BackendError when its stack is missing)."""
-    from ..backends import backend_class
+    for ``tt``, on this machine's Tenstorrent chips (BackendError when its stack is missing).
+    ``distributed``: a tt launch over several hosts or processes
+    (:class:`~wan_sharding.backends.tt_distributed.DistributedLaunch` as JSON): the worker is then
+    tt-xla's controller, with exactly the variables tt-xla's topology helper sets for it."""
+    from ..backends import BackendError, backend_class
 
-    env = backend_class(backend).worker_env(devices)
+    if distributed and backend != "tt":
+        raise BackendError(f"a multi-host launch runs the tt backend, not {backend}")
+    return _finish_env(backend_class(backend).worker_env(devices), distributed)
+
+
+def planned_tt_env(distributed: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The environment a tt worker would get here, without checking the stack (what a dry run
+    prints)."""
+    from ..backends.tt import tt_worker_env
+
+    return _finish_env(tt_worker_env(os.environ), distributed)
+
+
+def _finish_env(env: dict[str, str], distributed: Mapping[str, Any] | None) -> dict[str, str]:
+    if distributed:
+        from ..backends.tt_distributed import DistributedLaunch, with_distributed
+
+        env = with_distributed(env, DistributedLaunch.from_json(distributed))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # diffusers' Wan pipeline modules import transformers and (when installed) torch_xla, in a
     # JAX worker too: say which torch-xla device to use and keep their import noise down.

@@ -40,7 +40,7 @@ WHAT = ("dit", "step")
 def run_profile(params: dict[str, Any], echo: bool = True, timeout: float | None = None) -> WorkerRun:
     """Run one profile (``params``: the command's options) in a worker; one result per ``what``."""
     devices = plan_devices(params["plan"]) if params.get("plan") else num_devices([params["mesh"]])
-    return run_worker("wan_sharding.jobs.profile", params, worker_env(params["backend"], devices),
+    return run_worker("wan_sharding.jobs.profile", params, worker_env(params["backend"], devices, params.get("distributed")),
                       label=f"{params['backend']} worker (profile)", echo=echo, timeout=timeout,
                       stall_s=stall_seconds(params["backend"]))
 

@@ -7,7 +7,7 @@ compile-only mode and costed op by op from their TTNN programs on a model of the
 :func:`plan_sharding` the function, :func:`format_report` its text.
 
 Imports run one way: ``workload`` / ``hardware`` -> ``ir_cost`` -> ``analytic`` / ``compiled`` ->
-``candidates`` -> ``search`` -> ``report``. TTNN text is read by :mod:`wan_sharding.compile.ttnn_ir`,
+``candidates`` -> ``hosts`` (what crosses hosts) -> ``search`` -> ``report``. TTNN text is read by :mod:`wan_sharding.compile.ttnn_ir`,
 meshes by :func:`wan_sharding.mesh.parse_mesh_shape`.
 """
 

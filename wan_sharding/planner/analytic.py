@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan import ShardingPlan
+from ..systems import HostCuts
 from .hardware import Chip, Fabric, chunk_for, collective_seconds
 from .ir_cost import Cost
 from .workload import BF16, F32, Workload
@@ -118,8 +119,9 @@ def block_flops(work: Workload, plan: ShardingPlan) -> float:
     return linear + attention
 
 
-def block_cost(work: Workload, plan: ShardingPlan, chip: Chip, fabric: Fabric) -> Cost:
-    """Stage-1 seconds of one block on one device, by component (same shape as a compiled cost)."""
+def block_cost(work: Workload, plan: ShardingPlan, chip: Chip, fabric: Fabric, cuts: HostCuts | None = None) -> Cost:
+    """Stage-1 seconds of one block on one device, by component (same shape as a compiled cost);
+    with ``cuts``, also the bytes the block's collectives move between hosts."""
     m = plan.mesh()
     sp, tp = m.sp, m.tp
     lp = work.padded_tokens(sp, plan.padding)
@@ -139,7 +141,10 @@ def block_cost(work: Workload, plan: ShardingPlan, chip: Chip, fabric: Fabric) -
     for item in block_bill(work, plan):
         n = sizes[item.axis]
         axis = fabric.axes[plan.axis_names.index(item.axis)]
-        one = collective_seconds(item.kind, chunk_for(item.kind, item.operand, item.result, n), n, axis, fabric)
+        chunk = chunk_for(item.kind, item.operand, item.result, n)
+        one = collective_seconds(item.kind, chunk, n, axis, fabric)
+        if cuts is not None:
+            cost.cross_host_bytes += item.count * cuts.link_bytes(item.kind, chunk, plan.axis_names.index(item.axis))
         key = f"{item.kind}@{item.axis}"
         cost.comm[key] = cost.comm.get(key, 0.0) + item.count * one.seconds
         cost.comm_bytes[key] = cost.comm_bytes.get(key, 0.0) + item.count * item.result
@@ -161,20 +166,24 @@ class Estimate:
                 "bill": [b.to_json() for b in self.bill]}
 
 
-def estimate(work: Workload, plan: ShardingPlan, chip: Chip, fabric: Fabric) -> Estimate:
+def estimate(work: Workload, plan: ShardingPlan, chip: Chip, fabric: Fabric, cuts: HostCuts | None = None) -> Estimate:
     """The stage-1 estimate of ``plan``: one block's cost, scaled to the model's depth, and its bill."""
-    per_block = block_cost(work, plan, chip, fabric)
+    per_block = block_cost(work, plan, chip, fabric, cuts)
     return Estimate(per_block, work.layers * per_block.total, block_bill(work, plan))
 
 
 def estimate_cfg(work: Workload, plan: ShardingPlan, chip: Chip, half_fabric: Fabric, parts: int,
-                 exchange_key: str, exchange_seconds: float) -> Estimate:
+                 exchange_key: str, exchange_seconds: float, half_cuts: HostCuts | None = None,
+                 exchange_cross_host_bytes: float = 0.0) -> Estimate:
     """The stage-1 estimate of a CFG split, per forward: ``plan`` runs on a half mesh
     (``half_fabric``) with ``parts`` forwards at once, so each forward costs 1/``parts`` of the
     half mesh's block, plus its share of exchanging the noise predictions between the halves
     (``exchange_seconds`` per step, spread over the blocks so that the total stays
-    ``layers x per block``). The bill is the half mesh's own."""
-    half = estimate(work, plan, chip, half_fabric)
+    ``layers x per block``). The bill is the half mesh's own. Bytes between hosts: every half runs
+    its forward at once, so a forward's are one half's (``half_cuts``), plus its share of the
+    exchange's (``exchange_cross_host_bytes`` per step)."""
+    half = estimate(work, plan, chip, half_fabric, half_cuts)
     per_block = half.per_block.scaled(1.0 / parts)
+    per_block.cross_host_bytes = half.per_block.cross_host_bytes + exchange_cross_host_bytes / parts / work.layers
     per_block.comm[exchange_key] = per_block.comm.get(exchange_key, 0.0) + exchange_seconds / parts / work.layers
     return Estimate(per_block, work.layers * per_block.total, half.bill)

@@ -58,6 +58,7 @@ class Candidate:
     analytic: Estimate | None = None  # stage 1
     compiled: CompiledEstimate | None = None  # stage 2 (None: not compiled)
     notes: list[str] = field(default_factory=list)
+    tp_crosses_hosts: bool = False  # a TP axis runs across a host boundary (set by the search)
 
     @property
     def name(self) -> str:

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..compile.bill import per_block_bill, tile_alignment
-from ..compile.cfg import SEQUENTIAL_FORWARDS_PER_STEP, compile_request, request_cfg
+from ..compile.cfg import PER_GROUP, SEQUENTIAL_FORWARDS_PER_STEP, compile_request, request_cfg
 from ..compile.request import CompileRequest, CompileResult
 from ..compile.runner import compile_many
 from ..compile.ttnn_ir import TTNNModule
 from ..plan import ShardingPlan
+from ..systems import HostCuts
 from .hardware import Chip, Fabric
 from .ir_cost import Cost, Shapes, cost_ops, parse_ops
 from .workload import Workload
@@ -65,13 +66,15 @@ class CompiledEstimate:
         return None if self.seconds_per_forward is None else SEQUENTIAL_FORWARDS_PER_STEP * self.seconds_per_forward
 
     def per_step(self, layers: int) -> dict[str, float] | None:
-        """Per device per step at ``layers`` blocks: collectives, bytes they move (results), seconds."""
+        """Per device per step at ``layers`` blocks: collectives, bytes they move (results), seconds;
+        and what the whole mesh moves between hosts (``cross_host_gb``, 0 on one host)."""
         if not self.ok or self.per_block is None or self.per_forward is None:
             return None
         whole = self.per_forward.plus(self.per_block.scaled(layers)).scaled(SEQUENTIAL_FORWARDS_PER_STEP)
         return {"collectives": round(sum(whole.comm_counts.values()), 3),
                 "collective_gb": round(sum(whole.comm_bytes.values()) / 1e9, 4),
-                "comm_seconds": round(whole.communication, 4), "seconds": round(whole.total, 4)}
+                "comm_seconds": round(whole.communication, 4), "seconds": round(whole.total, 4),
+                "cross_host_gb": round(whole.cross_host_bytes / 1e9, 4)}
 
     def short_error(self) -> str:
         """The compiler's message, without the exception class and call-site noise."""
@@ -121,11 +124,13 @@ def requests_for(work: Workload, plan: ShardingPlan, out_dir: Path | None = None
 def evaluate(work: Workload, plans: Sequence[ShardingPlan], chip: Chip, fabric: Fabric | Sequence[Fabric], *,
              work_dir: Path,
              attention: str = "fused", timeout: float = 900.0,
-             progress: Callable[[str], None] | None = None) -> list[CompiledEstimate]:
+             progress: Callable[[str], None] | None = None,
+             cuts: Sequence[HostCuts | None] | None = None) -> list[CompiledEstimate]:
     """Compile every plan at 1 and 2 blocks and cost it; one :class:`CompiledEstimate` per plan.
 
     ``fabric``: one for every plan, or one per plan: the fabric of the mesh its program is
-    compiled for (a CFG split compiled per group: its half mesh's).
+    compiled for (a CFG split compiled per group: its half mesh's). ``cuts``: per plan, where the
+    hosts fall on that mesh (None: one host).
     One worker process compiles the whole batch (its ~20 s start-up is paid once). Two workers side
     by side were tried and dropped: the plugin's first-use unpacking of its runtime files is not
     safe against a second process doing the same ("failed to extract embedded tt-metal runtime
@@ -140,30 +145,40 @@ def evaluate(work: Workload, plans: Sequence[ShardingPlan], chip: Chip, fabric: 
         progress(f"stage 2: compiling {len(plans)} plans x {len(DEPTHS)} depths with tt-mlir ({chip.arch})")
     results = compile_many(requests, chip.arch, timeout=timeout, work_dir=work_dir)
     fabrics = [fabric] * len(plans) if isinstance(fabric, Fabric) else list(fabric)
+    hosts = list(cuts) if cuts is not None else [None] * len(plans)
     out = []
     for i, plan in enumerate(plans):
         shallow, deep = results[len(DEPTHS) * i: len(DEPTHS) * (i + 1)]
-        out.append(estimate_from_results(work, plan, shallow, deep, chip, fabrics[i], attention))
+        out.append(estimate_from_results(work, plan, shallow, deep, chip, fabrics[i], attention, hosts[i]))
     return out
 
 
 def amortise_cfg(est: CompiledEstimate, layers: int, parts: int, exchange_key: str,
-                 exchange_seconds: float) -> CompiledEstimate:
+                 exchange_seconds: float, exchange_cross_host_bytes: float = 0.0) -> CompiledEstimate:
     """A CFG split's compiled estimate per forward: the half mesh runs ``parts`` forwards at once, so
     each costs 1/``parts`` of the half mesh's program, plus its share of exchanging the noise
-    predictions between the halves (``exchange_seconds`` per step, charged once per forward)."""
+    predictions between the halves (``exchange_seconds`` per step, charged once per forward).
+    Bytes between hosts: a program compiled per group is one group's, and every group runs its
+    forward at once, so a forward's are that program's; one program of both branches is shared as
+    the seconds are."""
     if not est.ok or parts <= 1:
         return est
     per_block = est.per_block.scaled(1.0 / parts)
     per_forward = est.per_forward.scaled(1.0 / parts)
+    if est.cfg_how == PER_GROUP:
+        per_block.cross_host_bytes = est.per_block.cross_host_bytes
+        per_forward.cross_host_bytes = est.per_forward.cross_host_bytes
+    per_forward.cross_host_bytes += exchange_cross_host_bytes / parts
     per_forward.comm[exchange_key] = per_forward.comm.get(exchange_key, 0.0) + exchange_seconds / parts
     return replace(est, per_block=per_block, per_forward=per_forward,
                    seconds_per_forward=per_forward.total + layers * per_block.total)
 
 
 def estimate_from_results(work: Workload, plan: ShardingPlan, shallow: CompileResult, deep: CompileResult,
-                          chip: Chip, fabric: Fabric, attention: str = "fused") -> CompiledEstimate:
-    """Cost the two compiled proxies of ``plan`` (shallow and deep, from :func:`requests_for`)."""
+                          chip: Chip, fabric: Fabric, attention: str = "fused",
+                          cuts: HostCuts | None = None) -> CompiledEstimate:
+    """Cost the two compiled proxies of ``plan`` (shallow and deep, from :func:`requests_for`);
+    ``cuts``: where the hosts fall on the compiled program's mesh."""
     secs = sum(r.compile_seconds or 0.0 for r in (shallow, deep))
     failed = next((r for r in (shallow, deep) if not r.ok), None)
     if failed is not None:
@@ -172,7 +187,7 @@ def estimate_from_results(work: Workload, plan: ShardingPlan, shallow: CompileRe
     mesh = compiled_plan.mesh()
     shapes = Shapes(work.tokens, int(deep.padded_tokens or work.tokens), mesh.sp, work.prompt_tokens)
     kw = dict(chip=chip, fabric=fabric, mesh_shape=compiled_plan.mesh_shape, axis_names=compiled_plan.axis_names,
-              shapes=shapes, attention=attention)
+              shapes=shapes, attention=attention, cuts=cuts)
     d1, d2 = shallow.request.num_blocks, deep.request.num_blocks
     m1, m2 = TTNNModule.from_file(shallow.ttnn_path), TTNNModule.from_file(deep.ttnn_path)
     c1, c2 = cost_ops(parse_ops(m1), **kw), cost_ops(parse_ops(m2), **kw)

@@ -30,7 +30,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..systems import CABLING, MULTI_GALAXY, crosses_galaxy, galaxies, segment as galaxy_segment
+from ..systems import (CABLING, MULTI_GALAXY, crosses_galaxy, galaxies, ring_route, ring_step_routes,
+                       segment as galaxy_segment)
 
 _CHIPS_JSON = Path(__file__).resolve().parents[1] / "compile" / "chips.json"
 
@@ -256,40 +257,6 @@ def fabric_for(arch: str, grid: Sequence[int], topology: str = "machine") -> Fab
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def _route(a: int, b: int, n: int, wrap: bool) -> list[tuple[int, int]]:
-    """Directed hops (from, to) of a message from position a to b on one axis: the short way
-    round a ring, straight along a line."""
-    if a == b:
-        return []
-    if wrap and n > 2:
-        fwd = (b - a) % n
-        step = 1 if fwd <= n - fwd else -1
-    else:
-        step = 1 if b > a else -1
-    hops, p = [], a
-    while p != b:
-        q = (p + step) % n
-        hops.append((p, q))
-        p = q
-    return hops
-
-
-@lru_cache(maxsize=256)
-def _step_routes(n: int, wrap: bool) -> tuple[dict[tuple[int, int], float], tuple[tuple[tuple[int, int], ...], ...]]:
-    """One step of a bidirectional ring algorithm over ``n`` devices on one axis: the load of every
-    directed link (in units of the per-device chunk) and every message's route. Ring order is
-    position order (what tt-mlir's ``cluster_axis`` collectives use)."""
-    loads: dict[tuple[int, int], float] = {}
-    routes = []
-    for i in range(n):
-        for peer in ((i + 1) % n, (i - 1) % n):  # half the chunk each way
-            hops = _route(i, peer, n, wrap)
-            routes.append(tuple(hops))
-            for h in hops:
-                loads[h] = loads.get(h, 0.0) + 0.5
-    return loads, tuple(routes)
-
-
 @lru_cache(maxsize=256)
 def ring_step(n: int, wrap: bool) -> tuple[float, int]:
     """For a bidirectional ring algorithm over ``n`` devices on one axis: ``(load, hops)`` where
@@ -297,7 +264,7 @@ def ring_step(n: int, wrap: bool) -> tuple[float, int]:
     and ``hops`` the longest route one step's message takes."""
     if n < 2:
         return 0.0, 0
-    loads, routes = _step_routes(n, wrap)
+    loads, routes = ring_step_routes(n, wrap)
     return max(loads.values()), max(len(r) for r in routes)
 
 
@@ -305,7 +272,7 @@ def _step_on_axis(n: int, axis: AxisLinks, fabric: Fabric) -> tuple[float, float
     """``(seconds per chunk byte, latency seconds)`` of one ring step over ``n`` devices on ``axis``:
     the slowest directed link's load over its bandwidth, and the slowest route's summed hop latency.
     Hops that cross a Galaxy boundary use the inter-Galaxy links (:class:`AxisLinks`)."""
-    loads, routes = _step_routes(n, axis.wrap)
+    loads, routes = ring_step_routes(n, axis.wrap)
     per_byte = max(load / _hop(axis, fabric, h)[0] for h, load in loads.items())
     latency = max(sum(_hop(axis, fabric, h)[1] for h in r) for r in routes)
     return per_byte, latency
@@ -380,7 +347,7 @@ def pair_exchange_seconds(nbytes: float, axis: AxisLinks, n: int, fabric: Fabric
     loads: dict[tuple[int, int], float] = {}
     longest = 0.0
     for i in range(n):
-        hops = _route(i, (i + half) % n, n, axis.wrap)
+        hops = ring_route(i, (i + half) % n, n, axis.wrap)
         for h in hops:
             loads[h] = loads.get(h, 0.0) + nbytes
         longest = max(longest, sum(_hop(axis, fabric, h)[1] for h in hops))

@@ -9,7 +9,8 @@ The module is read by the package's one TTNN parser (:mod:`wan_sharding.compile.
 - ``matmul`` / ``linear``: roofline, ``max(FLOPs / (peak x efficiency), bytes / DRAM bandwidth)``
   with FLOPs = 2 x (result elements) x (contracted size);
 - collectives: the topology model of :mod:`wan_sharding.planner.hardware` on the mesh axis named
-  by ``cluster_axis``;
+  by ``cluster_axis``; on a mesh that spans several hosts also the bytes each moves over the
+  links between hosts (:meth:`wan_sharding.systems.HostCuts.link_bytes`);
 - everything else (norms, adaLN, RoPE, softmax pieces, layout changes): DRAM traffic, operand
   plus result bytes over the DRAM bandwidth; reshapes that keep the two tile dims are views (free);
 - the slice padding mode's K/V slice-back (``slice_static`` from the padded to the valid token
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..compile.ttnn_ir import COLLECTIVES, IRError, Op, TensorType, TTNNModule
+from ..systems import HostCuts
 from .hardware import Chip, Fabric, chunk_for, collective_seconds
 
 # Ops that do no work on device data.
@@ -114,7 +116,8 @@ class Shapes:
 class Cost:
     """Seconds of one program (or of the difference of two), by component, plus what made them.
 
-    ``comm`` is keyed ``"<kind>@<axis>"`` (e.g. ``"all_reduce@cols"``).
+    ``comm`` is keyed ``"<kind>@<axis>"`` (e.g. ``"all_reduce@cols"``). ``cross_host_bytes``: what
+    the collectives move over the links between hosts, the whole mesh together (0 on one host).
     """
 
     matmul: float = 0.0
@@ -126,6 +129,7 @@ class Cost:
     comm_bytes: dict[str, float] = field(default_factory=dict)
     comm_counts: Counter = field(default_factory=Counter)
     score_bytes_max: float = 0.0  # largest attention-score tensor on one device
+    cross_host_bytes: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -142,7 +146,8 @@ class Cost:
     def scaled(self, k: float) -> "Cost":
         return Cost(self.matmul * k, self.memory * k, self.slice_back * k, {a: v * k for a, v in self.comm.items()},
                     self.flops * k, self.dram_bytes * k, {a: v * k for a, v in self.comm_bytes.items()},
-                    Counter({a: v * k for a, v in self.comm_counts.items()}), self.score_bytes_max)
+                    Counter({a: v * k for a, v in self.comm_counts.items()}), self.score_bytes_max,
+                    self.cross_host_bytes * k)
 
     def minus(self, other: "Cost") -> "Cost":
         keys = set(self.comm) | set(other.comm)
@@ -152,7 +157,7 @@ class Cost:
                     {a: self.comm_bytes.get(a, 0.0) - other.comm_bytes.get(a, 0.0) for a in keys},
                     Counter({a: self.comm_counts.get(a, 0) - other.comm_counts.get(a, 0)
                              for a in set(self.comm_counts) | set(other.comm_counts)}),
-                    max(self.score_bytes_max, other.score_bytes_max))
+                    max(self.score_bytes_max, other.score_bytes_max), self.cross_host_bytes - other.cross_host_bytes)
 
     def plus(self, other: "Cost") -> "Cost":
         return self.minus(other.scaled(-1.0))
@@ -164,12 +169,15 @@ class Cost:
                 "comm_seconds": {k: round(v, 6) for k, v in sorted(self.comm.items())},
                 "tflop": round(self.flops / 1e12, 4), "dram_gb": round(self.dram_bytes / 1e9, 4),
                 "comm_gb": {k: round(v / 1e9, 5) for k, v in sorted(self.comm_bytes.items())},
-                "comm_counts": {k: round(v, 3) for k, v in sorted(self.comm_counts.items())}}
+                "comm_counts": {k: round(v, 3) for k, v in sorted(self.comm_counts.items())},
+                "cross_host_gb": round(self.cross_host_bytes / 1e9, 5)}
 
 
 def cost_ops(ops: Iterable[Op], *, chip: Chip, fabric: Fabric, mesh_shape: tuple[int, ...],
-             axis_names: tuple[str, ...], shapes: Shapes, attention: str = "fused") -> Cost:
-    """Charge every op of a TTNN module (see the module docstring for the rules)."""
+             axis_names: tuple[str, ...], shapes: Shapes, attention: str = "fused",
+             cuts: HostCuts | None = None) -> Cost:
+    """Charge every op of a TTNN module (see the module docstring for the rules). ``cuts``: where
+    the hosts fall on the mesh (None: one host)."""
     if attention not in ATTENTION_MODES:
         raise IRCostError(f"unknown attention mode {attention!r}; choose one of {ATTENTION_MODES}")
     fused = attention == "fused"
@@ -201,7 +209,10 @@ def cost_ops(ops: Iterable[Op], *, chip: Chip, fabric: Fabric, mesh_shape: tuple
             else:
                 n, links, name = mesh_shape[axis], fabric.axes[axis], axis_names[axis]
             key = f"{op.name}@{name}"
-            c = collective_seconds(kind, chunk_for(kind, operand, result, n), n, links, fabric)
+            chunk = chunk_for(kind, operand, result, n)
+            c = collective_seconds(kind, chunk, n, links, fabric)
+            if cuts is not None and name != "mesh":
+                cost.cross_host_bytes += cuts.link_bytes(kind, chunk, axis)
             cost.comm[key] = cost.comm.get(key, 0.0) + c.seconds
             cost.comm_bytes[key] = cost.comm_bytes.get(key, 0.0) + result
             cost.comm_counts[key] += 1

@@ -63,9 +63,13 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
         f"{data['chip']['dram_gbps']:g} GB/s, {data['chip']['dram_gb']:g} GB DRAM; attention {data['attention']}",
         f"{cnt['enumerated']} plans, {cnt['distinct']} distinct, {cnt['legal']} legal; "
         f"{cnt['compiled']} compiled with tt-mlir, {cnt['compiled_ok']} accepted",
-        "",
     ]
-    head = (f"{'#':>3}  {'plan':<50} {'GB/chip':>7}  {'s/step':>7} {'src':<3}  "
+    hosts = data.get("hosts")
+    if hosts:
+        lines.append(f"hosts: {hosts_text(hosts)}; xhost: GB between hosts per denoising step, the whole mesh")
+    lines.append("")
+    xhost = f"{'xhost':>6} " if hosts else ""
+    head = (f"{'#':>3}  {'plan':<50} {'GB/chip':>7}  {'s/step':>7} {xhost}{'src':<3}  "
             f"{'per-block bill (per device)':<38}  why it lost")
     lines.append(head)
     lines.append("-" * len(head))
@@ -79,7 +83,9 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
         src = {"compiled": "tt", "no-compile": "--", "analytic": "an"}[c["stage"]]
         mem = f"{c['memory_per_chip_gb']:.1f}" if c["memory_per_chip_gb"] is not None else "-"
         secs = f"{est:.2f}" if est is not None and c["stage"] != "no-compile" else "-"
-        lines.append(f"{c['rank']:>3}  {c['name']:<50} {mem:>7}  {secs:>7} {src:<3}  {bill_text(c):<38}  "
+        gb = c.get("cross_host_gb_per_step")
+        cross = (f"{gb:>6.1f} " if gb is not None else f"{'-':>6} ") if hosts else ""
+        lines.append(f"{c['rank']:>3}  {c['name']:<50} {mem:>7}  {secs:>7} {cross}{src:<3}  {bill_text(c):<38}  "
                      f"{c['why_lost']}")
     more = len(pruned) - (len(shown) - sum(1 for c in shown if c["stage"] != "analytic"))
     if more > 0:
@@ -134,10 +140,30 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
         if comp.get("ok"):
             lines.append("  compiled per-block bill: " + ", ".join(
                 f"{e['count']:g} x {e['kind']} over {e['axis']} {e['payload']}" for e in comp["bill"]))
+        if hosts:
+            lines.append("  " + recommended_hosts_text(rec, hosts))
     t = data["timings_seconds"]
     lines.append(f"planning time: {t.get('total', 0):.0f} s (model {t.get('model', 0):.0f} s, stage 1 "
                  f"{t.get('stage1', 0):.1f} s, stage 2 {t.get('stage2', 0):.0f} s)")
     return "\n".join(lines)
+
+
+def hosts_text(hosts: dict[str, Any]) -> str:
+    """Where the hosts fall on the planned mesh (the report's ``hosts``), in words."""
+    axes = ", ".join(f"{a['axis']} every {a['chips_per_host']} chips" for a in hosts["crossing_axes"])
+    binding = f"rank binding {hosts['rank_binding']}" if hosts.get("rank_binding") else hosts["source"]
+    return f"{hosts['hosts']} ({binding}); crossing hosts: {axes}"
+
+
+def recommended_hosts_text(rec: dict[str, Any], hosts: dict[str, Any]) -> str:
+    """Which of the recommended plan's axes cross hosts, in which role, and the bytes per step."""
+    roles = {a: role for role in ("sp", "tp") for a in rec["mesh_axes"][role]}
+    crossing = [f"{a['axis']} ({roles.get(a['axis'], 'idle').upper()})" for a in hosts["crossing_axes"]]
+    gb = rec.get("cross_host_gb_per_step")
+    tp = ("no TP" if rec["tp"] == 1 else "TP crosses hosts too" if rec.get("tp_crosses_hosts")
+          else "TP stays inside each host")
+    return (f"crosses hosts: {', '.join(crossing)}; {tp}; "
+            + (f"{gb:g} GB between hosts per denoising step (the whole mesh)" if gb is not None else "bytes unknown"))
 
 
 def _reason_class(text: str) -> str:

@@ -6,6 +6,12 @@ stage 2 compiles those with tt-mlir and costs their TTNN programs on the chip fa
 (:mod:`~wan_sharding.planner.compiled`). Plans tt-mlir rejects are reported as such, and if
 that leaves fewer than ``top`` compiled plans the next stage-1 candidates are compiled too (up to
 ``max_rounds`` batches). The recommendation is the fastest compiled plan.
+
+On a mesh that spans several hosts (several Galaxies, one host each, or a rank binding of tt-xla's
+distributed runtime: :func:`wan_sharding.systems.host_cuts`) every plan also gets the bytes its
+collectives move between hosts per denoising step, and a plan whose TP axis crosses a host boundary
+(its all-reduces on the inter-host links in every block) ranks as if :data:`TP_ACROSS_HOSTS` slower:
+it wins only by more than that.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from typing import Any, Callable, Sequence
 
 from ..compile.cfg import ONE_PROGRAM, SEQUENTIAL_FORWARDS_PER_STEP, cfg_compile
 from ..mesh import PHYSICAL_AXIS_NAMES, MeshError, parse_mesh_shape
-from ..systems import tt_mlir_rejects
+from ..systems import BindingError, HostCuts, check_binding_grid, host_cuts, rank_binding, tt_mlir_rejects
 from ..plan import ShardingPlan
 from . import analytic, compiled
 from .analytic import Estimate  # noqa: F401  (stage-1 result; its home is analytic)
 from .candidates import Candidate, build_candidates
+from .hosts import (TP_ACROSS_HOSTS, candidate_cuts, compile_cuts, cross_host_gb_per_step, hosts_json,
+                    ranking_seconds, tp_crosses_hosts)
 from .hardware import Chip, Fabric, chip as chip_for, fabric_for, pair_exchange_seconds, sub_fabric
 from .ir_cost import ATTENTION_MODES
 from .workload import BF16, Workload
@@ -47,6 +55,8 @@ class PlanReport:
     attention: str
     timings: dict[str, float] = field(default_factory=dict)
     compiled_stage: bool = True
+    cuts: HostCuts | None = None  # where the hosts fall (None: one host)
+    rank_binding: str = ""
 
     def estimated_seconds(self, c: Candidate) -> float | None:
         """Compiled estimate when there is one, None when tt-mlir rejected the plan, else the
@@ -90,7 +100,8 @@ class PlanReport:
             "sp": m.sp, "tp": m.tp, "mesh_axes": {"names": list(c.plan.axis_names), "shape": list(c.plan.mesh_shape),
                                                   "sp": list(c.plan.sp_axes), "tp": list(c.plan.tp_axes)},
             "fsdp": c.plan.fsdp, "layout": c.plan.layout, "padding": c.plan.padding,
-            "idle_axes": list(c.idle_axes),
+            "idle_axes": list(c.idle_axes), "tp_crosses_hosts": c.tp_crosses_hosts,
+            "cross_host_gb_per_step": cross_host_gb_per_step(self.cuts, self.work.layers, c),
             "memory_per_chip_gb": round(c.memory.total / 1e9, 3) if c.memory else None,
             "memory": c.memory.to_json() if c.memory else None,
             "estimated_seconds_per_forward": None if est is None else round(est, 4),
@@ -116,6 +127,7 @@ class PlanReport:
         legal = [c for c in self.candidates if c.legal]
         return {
             "mesh": "x".join(map(str, self.fabric.grid)), "arch": self.chip.arch,
+            "hosts": hosts_json(self.cuts, self.rank_binding),
             "workload": self.work.to_json(), "fabric": self.fabric.describe(), "fabric_source": self.fabric.source,
             "chip": {"peak_tflops": self.chip.peak_tflops, "matmul_efficiency": self.chip.matmul_efficiency,
                      "dram_gb": self.chip.dram_gb, "dram_gbps": self.chip.dram_gbps,
@@ -170,26 +182,31 @@ def compile_fabric(fabric: Fabric, c: Candidate) -> Fabric:
     return candidate_fabric(fabric, c)
 
 
-def cfg_exchange(work: Workload, fabric: Fabric, c: Candidate) -> tuple[str, float]:
-    """``(key, seconds)`` of one step's exchange between the halves of a CFG split: every device
-    swaps its 1/N share of the noise prediction with its partner in the other half (the device half
-    the cut axis away); the combined prediction is then gathered like any output."""
+def cfg_exchange(work: Workload, fabric: Fabric, c: Candidate, cuts: HostCuts | None = None) -> tuple[str, float, float]:
+    """``(key, seconds, bytes between hosts)`` of one step's exchange between the halves of a CFG
+    split: every device swaps its 1/N share of the noise prediction with its partner in the other
+    half (the device half the cut axis away); the combined prediction is then gathered like any output."""
     i = PHYSICAL_AXIS_NAMES.index(c.cfg_axis)
     n = fabric.grid[i]
     devices = c.plan.mesh_shape[0] * c.plan.mesh_shape[1]
-    return f"cfg_exchange@{c.cfg_axis}", pair_exchange_seconds(work.output_bytes() / devices, fabric.axes[i], n, fabric)
+    share = work.output_bytes() / devices
+    crossing = cuts.pair_exchange_bytes(share, i) if cuts is not None else 0.0
+    return f"cfg_exchange@{c.cfg_axis}", pair_exchange_seconds(share, fabric.axes[i], n, fabric), crossing
 
 
-def stage1(work: Workload, candidates: Sequence[Candidate], chip: Chip, fabric: Fabric) -> list[Candidate]:
-    """Analytic estimate for every legal candidate; returns them fastest first."""
+def stage1(work: Workload, candidates: Sequence[Candidate], chip: Chip, fabric: Fabric,
+           cuts: HostCuts | None = None) -> list[Candidate]:
+    """Analytic estimate for every legal candidate; returns them best first (:func:`ranking_seconds`)."""
     legal = [c for c in candidates if c.legal]
     for c in legal:
+        c.tp_crosses_hosts = tp_crosses_hosts(cuts, c)
         if c.cfg_axis:
-            key, secs = cfg_exchange(work, fabric, c)
-            c.analytic = analytic.estimate_cfg(work, c.plan, chip, candidate_fabric(fabric, c), c.cfg_parts, key, secs)
+            key, secs, crossing = cfg_exchange(work, fabric, c, cuts)
+            c.analytic = analytic.estimate_cfg(work, c.plan, chip, candidate_fabric(fabric, c), c.cfg_parts, key, secs,
+                                               candidate_cuts(cuts, c), crossing)
         else:
-            c.analytic = analytic.estimate(work, c.plan, chip, fabric)
-    return sorted(legal, key=lambda c: (c.analytic.seconds_per_forward, len(c.idle_axes), c.name))
+            c.analytic = analytic.estimate(work, c.plan, chip, fabric, cuts)
+    return sorted(legal, key=lambda c: (ranking_seconds(c, c.analytic.seconds_per_forward), len(c.idle_axes), c.name))
 
 
 def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", variant: str = "t2v-a14b",
@@ -197,7 +214,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                   compile: bool = True, attention: str = "fused", topology: str = "machine",
                   work_dir: str | Path | None = None, timeout: float = 900.0, max_rounds: int = 3,
                   keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = False,
-                  progress: Callable[[str], None] | None = None) -> PlanReport:
+                  progress: Callable[[str], None] | None = None, rank_binding_name: str | None = None) -> PlanReport:
     """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
 
     Args:
@@ -220,6 +237,10 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
             forwards without cfg, 1 program of both branches with it); per-forward figures are
             half a step. Off by default (it roughly doubles the candidates).
         progress: called with a line of text at each step.
+        rank_binding_name: the multi-host system the mesh is (a rank binding of tt-xla's distributed
+            runtime, :data:`wan_sharding.systems.RANK_BINDINGS`): its hosts are planned for, and the
+            mesh must be its global mesh and ``arch`` its chips. Without it a multi-Galaxy grid
+            has one host per Galaxy.
 
     Returns:
         A :class:`PlanReport`.
@@ -243,24 +264,31 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         work = Workload.build(variant, resolution, latent)
         chip = chip_for(arch)
         fabric = fabric_for(arch, shape, topology)
-    except ValueError as e:
+        binding = rank_binding(rank_binding_name) if rank_binding_name else None
+        if binding is not None:
+            check_binding_grid(binding, shape, f"the mesh {mesh if isinstance(mesh, str) else shape}")
+            if binding.arch != arch:
+                raise BindingError(f"{binding.name} is {binding.machine}: its chips are {binding.arch}, not {arch}; "
+                                   f"use --arch {binding.arch}")
+    except ValueError as e:  # BindingError is one
         raise PlannerError(str(e)) from None
+    cuts = host_cuts(shape, binding, (fabric.axes[0].wrap, fabric.axes[1].wrap))
     timings: dict[str, float] = {}
-    say(f"workload {work.label}; {fabric.describe()}")
+    say(f"workload {work.label}; {fabric.describe()}" + (f"; {cuts.describe()}" if cuts is not None else ""))
     _meta_dit(work.variant)
     timings["model"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     rejected = (lambda s: f"tt-mlir rejects a {s[0]}x{s[1]} mesh" if tt_mlir_rejects(s) else "") if compile else None
     cands = build_candidates(work, shape, chip.usable_dram_bytes, lambda p: weight_bytes_per_expert(work.variant, p),
                              attention, PHYSICAL_AXIS_NAMES, keep, cfg_split, rejected)
-    ordered = stage1(work, cands, chip, fabric)
+    ordered = stage1(work, cands, chip, fabric, cuts)
     timings["stage1"] = time.perf_counter() - t1
     say(f"stage 1: {len(cands)} candidates, {len(ordered)} legal, analytic best "
         f"{ordered[0].analytic.seconds_per_forward:.2f} s/forward" if ordered else
         f"stage 1: {len(cands)} candidates, none legal")
     if not ordered:
-        report = PlanReport(work, chip, fabric, cands, _rank(cands, []), None, top, attention, timings, compile)
-        return report
+        return PlanReport(work, chip, fabric, cands, _rank(cands, []), None, top, attention, timings, compile, cuts,
+                          binding.name if binding else "")
     compiled_list: list[Candidate] = []
     if compile:
         t2 = time.perf_counter()
@@ -285,10 +313,10 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
             rounds += 1
             results = compiled.evaluate(work, [c.full_plan for c in batch], chip, [compile_fabric(fabric, c) for c in batch],
                                         work_dir=root / f"round_{rounds}", attention=attention, timeout=timeout,
-                                        progress=say)
+                                        progress=say, cuts=[compile_cuts(cuts, c) for c in batch])
             for c, r in zip(batch, results):
                 if c.cfg_axis:
-                    r = compiled.amortise_cfg(r, work.layers, c.cfg_parts, *cfg_exchange(work, fabric, c))
+                    r = compiled.amortise_cfg(r, work.layers, c.cfg_parts, *cfg_exchange(work, fabric, c, cuts))
                 c.compiled = r
                 compiled_list.append(c)
                 say(f"  {c.name}: " + (f"{r.seconds_per_step:.2f} s/step" if r.ok
@@ -296,20 +324,21 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         timings["stage2"] = time.perf_counter() - t2
     ok_compiled = [c for c in compiled_list if c.compiled.ok]
     if compile and ok_compiled:
-        recommended = min(ok_compiled, key=lambda c: c.compiled.seconds_per_forward)
+        recommended = min(ok_compiled, key=lambda c: ranking_seconds(c, c.compiled.seconds_per_forward))
     elif compile:
         recommended = None  # every survivor was rejected by tt-mlir: nothing measured to recommend
     else:
         recommended = ordered[0]
     timings["total"] = time.perf_counter() - t0
-    return PlanReport(work, chip, fabric, cands, _rank(cands, ordered), recommended, top, attention, timings, compile)
+    return PlanReport(work, chip, fabric, cands, _rank(cands, ordered), recommended, top, attention, timings, compile,
+                      cuts, binding.name if binding else "")
 
 
 def _rank(cands: Sequence[Candidate], ordered: Sequence[Candidate]) -> list[Candidate]:
     """Compiled plans by compiled time, then plans tt-mlir rejected, then the stage-1 rest in
     stage-1 order, then illegal plans."""
     comp_ok = sorted((c for c in ordered if c.compiled is not None and c.compiled.ok),
-                     key=lambda c: c.compiled.seconds_per_forward)
+                     key=lambda c: ranking_seconds(c, c.compiled.seconds_per_forward))
     comp_bad = [c for c in ordered if c.compiled is not None and not c.compiled.ok]
     rest = [c for c in ordered if c.compiled is None]
     illegal = [c for c in cands if c.reason and not c.duplicate_of]
@@ -361,6 +390,12 @@ def why_lost(report: PlanReport, c: Candidate) -> str:
     layers = report.work.layers
     if c.compiled is not None and not c.compiled.ok:
         return f"does not compile in tt-mlir: {c.compiled.short_error()}"
+    mine, theirs = report.estimated_seconds(c), None if best is None else report.estimated_seconds(best)
+    if c.tp_crosses_hosts and best is not None and not best.tp_crosses_hosts and mine is not None and theirs \
+            and mine < theirs:
+        return (f"TP crosses hosts (its all-reduces on the inter-host links in every block): "
+                f"{100 * (1 - mine / theirs):.1f}% faster, under the {100 * TP_ACROSS_HOSTS:g}% a plan needs to beat "
+                "one that keeps TP inside a host")
     if c.compiled is not None and best is not None and best.compiled is not None and best.compiled.ok:
         return f"slower: {_biggest_gap(c, best, True, layers)}" + idle
     ref = best if best is not None and best.analytic is not None else None

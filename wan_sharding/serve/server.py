@@ -89,7 +89,9 @@ def replicas_of(p: dict[str, Any]) -> tuple[list[Replica], dict[str, Any] | None
 
 def worker_specs(p: dict[str, Any], defaults: dict[str, Any]) -> list[WorkerSpec]:
     """One :class:`WorkerSpec` per replica: the worker's configuration (its sub-mesh) and its
-    environment (that many CPU devices, or on ``tt`` its chips through ``TT_VISIBLE_DEVICES``)."""
+    environment (that many CPU devices, or on ``tt`` its chips through ``TT_VISIBLE_DEVICES``). On a
+    multi-host launch (``p["distributed"]``) there is one replica, whose worker is tt-xla's
+    controller; every replacement of it starts with this same environment."""
     from ..jobs.launch import worker_env
 
     base = {k: p.get(k) for k in ("backend", "mesh", "plan", "padding", "patches", "cache", "dtype", "variant",
@@ -98,7 +100,7 @@ def worker_specs(p: dict[str, Any], defaults: dict[str, Any]) -> list[WorkerSpec
     replicas, plan = replicas_of(p)
     specs = []
     for r in replicas:
-        config, env = dict(base), worker_env(p["backend"], r.mesh.num_devices)
+        config, env = dict(base), worker_env(p["backend"], r.mesh.num_devices, p.get("distributed"))
         if len(replicas) > 1:
             if plan:
                 config["plan"] = plan
