@@ -5,14 +5,24 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from ..jobs.text_encoder import EncoderCase, cases_for
 from .validate import UsageError
 
 COMPONENT = "text-encoder"
-# check's DiT-only options, by their flag: none of them means anything to the encoder
+# check's and compile's DiT-only options, by their flag: none of them means anything to the encoder
 DIT_CHECK_OPTIONS = {"--variant": "variant", "--lengths": "lengths", "--padding": "padding", "--patches": "patches"}
+DIT_COMPILE_OPTIONS = {"--variant": "variant", "--resolution": "resolution", "--latent": "latent",
+                       "--padding": "padding", "--patches": "patches", "--plan": "plan", "--no-anchor": "no_anchor"}
+
+
+def _refuse_dit_options(args: argparse.Namespace, options: dict[str, str], what: str) -> None:
+    given = [flag for flag, attr in options.items() if getattr(args, attr, None) not in (None, [], False)]
+    if given:
+        raise UsageError(f"{', '.join(given)} {'is a' if len(given) == 1 else 'are'} DiT option{'s' * (len(given) > 1)}; "
+                         f"{what}: leave {'it' if len(given) == 1 else 'them'} out with --component text-encoder")
 
 
 def encoder_only(args: argparse.Namespace) -> bool:
@@ -21,21 +31,44 @@ def encoder_only(args: argparse.Namespace) -> bool:
 
 def validate_check(args: argparse.Namespace) -> None:
     """``check --component text-encoder``: refuse the DiT-only options (nothing is ignored quietly)."""
-    if not encoder_only(args):
+    if encoder_only(args):
+        _refuse_dit_options(args, DIT_CHECK_OPTIONS, "the text encoder's check has its own cases (prompts with and "
+                                                     "without padding tokens, and a batch of both)")
+
+
+def validate_compile(args: argparse.Namespace) -> None:
+    """``compile --component text-encoder``: refuse the DiT-only options; without it, ``--tokens``
+    (the encoder's). Fills the DiT's defaults that were left out."""
+    if encoder_only(args):
+        _refuse_dit_options(args, DIT_COMPILE_OPTIONS, "the text encoder compiles its prompt (--tokens) on the "
+                                                       "mesh's TP axis, with no latent, padding, plan or patch")
+        if args.cfg != 1:
+            raise UsageError("--cfg 2 splits the DiT's guidance branches; the text encoder encodes each prompt on the "
+                             "whole mesh: leave --cfg out with --component text-encoder")
+        args.mesh = args.mesh or "8x4"
         return
-    given = [flag for flag, attr in DIT_CHECK_OPTIONS.items() if getattr(args, attr) not in (None, [])]
-    if given:
-        raise UsageError(f"{', '.join(given)} {'is a' if len(given) == 1 else 'are'} DiT option{'s' * (len(given) > 1)}; "
-                         "the text encoder's check has its own cases (prompts with and without padding tokens, and a "
-                         "batch of both): leave them out with --component text-encoder, or check the DiT")
+    for flag, value in (("--tokens", args.tokens), ("--vocab", args.vocab)):
+        if value is not None:
+            raise UsageError(f"{flag} is the text encoder's (its prompt length, its vocabulary); use it with --component "
+                             "text-encoder")
+    args.variant = args.variant or "t2v-a14b"
+    if args.latent is None:
+        args.resolution = args.resolution or "480p"
 
 
-def check_cases(args: argparse.Namespace) -> list[EncoderCase]:
-    """The encoder's cases for a ``check`` run: with ``--component text-encoder`` or
-    ``--text-encoder mesh``, its rows at ``--dtype``; else none."""
-    if encoder_only(args) or getattr(args, "text_encoder", "host") == "mesh":
-        return cases_for(args.dtype)
-    return []
+def compile_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
+    """``compile --component text-encoder``: the encoder's request next to a 1-layer twin, and its
+    report (the per-layer bill against one all-reduce per attention and per FFN)."""
+    from ..compile import CompileRequest
+    from ..compile.text_encoder import encoder_reports
+
+    req = CompileRequest(
+        component=COMPONENT, mesh=args.mesh, size=args.size, blocks=args.blocks, prompt_tokens=args.tokens, vocab=args.vocab,
+        dtype=args.dtype, batch=args.batch, frontend=args.frontend,
+        composites="none" if args.no_fused_sdpa else args.composites, compile_options=args.compile_options,
+        mark_arguments=not args.no_argument_marks,
+        out_dir=str(out / f"layers_{args.blocks or 'all'}") if out else None).validate()
+    return encoder_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
 
 
 def print_row(r: dict[str, Any], header: bool) -> None:

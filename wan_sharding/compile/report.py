@@ -39,6 +39,13 @@ def base_depth(blocks: int) -> int:
     return 1 if blocks > 1 else 2
 
 
+def no_bill(req: CompileRequest, base: CompileResult | None, unit: str = "block") -> dict[str, Any]:
+    """The report's bill fields when the shallow twin (``base``) did not compile: no bill."""
+    why = "was not run" if base is None else f"failed: {base.error}"
+    return {"per_block": {}, "bill_ok": False,
+            "bill_problems": [f"no per-{unit} bill: the {base_depth(req.num_blocks)}-{unit} compile {why}"]}
+
+
 def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, Any]:
     """One compile's summary: op histogram, collectives, per-block bill against the design, tile
     alignment, times. ``base`` is the shallower compile of the same configuration (or None)."""
@@ -100,9 +107,7 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         tile_aligned=tiles["aligned"], token_dims=tiles["token_dims"], misaligned=tiles["misaligned"],
     )
     if base is None or not base.ok:
-        report.update(per_block={}, bill_ok=False,
-                      bill_problems=[f"no per-block bill: the {base_depth(req.num_blocks)}-block compile "
-                                     f"{'was not run' if base is None else 'failed: ' + str(base.error)}"])
+        report.update(no_bill(req, base))
         return report
     shallow = TTNNModule.from_file(base.ttnn_path)
     bill = ir_bill.per_block_bill(shallow, module, base.request.num_blocks, req.num_blocks, mesh)
@@ -217,6 +222,19 @@ def argument_line(report: dict[str, Any]) -> str:
     return head
 
 
+def failure_lines(report: dict[str, Any]) -> list[str]:
+    """What tt-mlir said when a compile failed: the error and the first diagnostics."""
+    # MLIR call-site locations run to kilobytes; the head names the op and the tail the error.
+    return [f"COMPILE FAILED: {report.get('error')}",
+            *[f"  {d if len(d) < 400 else d[:200] + ' ... ' + d[-190:]}" for d in report.get("diagnostics", [])[:5]]]
+
+
+def compile_lines(report: dict[str, Any]) -> list[str]:
+    """How long the compile took, its memory, and where its TTNN IR is."""
+    return [f"compile: {report['compile_seconds']:.1f} s tt-mlir, {report['lower_seconds']:.1f} s trace+lower, "
+            f"peak RSS {report['rss_mb']:.0f} MB", f"TTNN IR: {report['ttnn_path']}"]
+
+
 def ops_line(report: dict[str, Any]) -> str | None:
     """Runtime ops per block apart from const-eval ops (run once), or None without a per-block bill."""
     if report.get("runtime_ops_per_block") is None:
@@ -261,13 +279,8 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
                      f"{cfg['batch']} ({cfg['branch_batch']} per branch); a step is 1 forward (both branches at once)")
     lines += composite_lines(report)
     if not report["ok"]:
-        lines.append(f"COMPILE FAILED: {report.get('error')}")
-        # MLIR call-site locations run to kilobytes; the head names the op and the tail the error.
-        lines += [f"  {d if len(d) < 400 else d[:200] + ' ... ' + d[-190:]}" for d in report.get("diagnostics", [])[:5]]
-        return "\n".join(lines)
-    lines.append(f"compile: {report['compile_seconds']:.1f} s tt-mlir, {report['lower_seconds']:.1f} s trace+lower, "
-                 f"peak RSS {report['rss_mb']:.0f} MB")
-    lines.append(f"TTNN IR: {report['ttnn_path']}")
+        return "\n".join(lines + failure_lines(report))
+    lines += compile_lines(report)
     lines.append("")
     lines.append(f"TTNN op histogram (top {top}, deallocations left out):")
     ops = list(report["ops"].items())

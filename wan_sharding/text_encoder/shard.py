@@ -55,7 +55,10 @@ class MaskHook(Hook):
         if mask is None or mask.ndim != 2:
             return None  # no mask, or already a 4-D one: as the caller gave it
         dtype = module.get_input_embeddings().weight.dtype  # the scores' dtype (the embeddings')
-        additive = (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+        keep = mask[:, None, None, :] != 0
+        # no arithmetic with a Python float: torchax would compute it in float32, which the scores
+        # (and Tenstorrent's fused attention, bf16 operands only) would then follow
+        additive = torch.zeros_like(keep, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
         if at is None:
             return args, {**kwargs, "attention_mask": additive}
         return (*args[:at], additive, *args[at + 1:]), kwargs
