@@ -15,7 +15,9 @@ from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
 from ..options import EXECUTING_BACKENDS
-from .args import add_cache, add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, stack_missing
+from . import text_encoder
+from .args import (add_cache, add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, add_text_encoder,
+                   stack_missing)
 from .validate import apply_plan, check_generate, check_profile
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
@@ -33,6 +35,7 @@ def _validate_generate(args: argparse.Namespace) -> None:
     apply_plan(args, "2x4")
     check_generate(args)
     check_video_format(args.video_format)
+    text_encoder.validate_pipeline(args)
 
 
 def _validate_profile(args: argparse.Namespace) -> None:
@@ -74,6 +77,7 @@ def add_pipeline_source(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--variant", default="t2v-a14b", choices=VARIANTS,
                     help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
     ap.add_argument("--model", help="a local diffusers Wan 2.2 checkpoint directory (needs transformers)")
+    add_text_encoder(ap)
 
 
 def add_subcommands(sub: Any) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..jobs.text_encoder import EncoderCase, cases_for
-from .validate import UsageError
+from .validate import UsageError, read_json_file
 
 COMPONENT = "text-encoder"
 # check's and compile's DiT-only options, by their flag: none of them means anything to the encoder
@@ -69,6 +69,26 @@ def compile_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]
         mark_arguments=not args.no_argument_marks,
         out_dir=str(out / f"layers_{args.blocks or 'all'}") if out else None).validate()
     return encoder_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
+
+
+def check_cases(args: argparse.Namespace) -> list[EncoderCase]:
+    """The encoder's cases for a ``check`` run: with ``--component text-encoder`` or
+    ``--text-encoder mesh``, its rows at ``--dtype``; else none."""
+    if encoder_only(args) or getattr(args, "text_encoder", "host") == "mesh":
+        return cases_for(args.dtype)
+    return []
+
+
+def validate_pipeline(args: argparse.Namespace) -> None:
+    """``generate`` / ``serve --text-encoder mesh``: the pipeline must have a text encoder to shard (a
+    checkpoint saved without one is refused here, before any worker starts)."""
+    if args.text_encoder != "mesh" or args.model is None:
+        return  # the tiny pipeline holds one
+    index = read_json_file(Path(args.model) / "model_index.json")  # a JSON object: model_dir checked it
+    entry = index.get("text_encoder")
+    if not isinstance(entry, list) or not entry or entry[0] is None:
+        raise UsageError(f"--text-encoder mesh: {args.model} has no text encoder (its model_index.json names none); "
+                         "load a checkpoint with its UMT5 text encoder, or leave --text-encoder at host")
 
 
 def print_row(r: dict[str, Any], header: bool) -> None:
