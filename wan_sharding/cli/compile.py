@@ -71,11 +71,8 @@ def _validate_compile(args: argparse.Namespace) -> None:
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     _validate_compile(args)
-    if text_encoder.encoder_only(args):  # the UMT5 text encoder: its request, report and bill
-        from ..compile.text_encoder import exit_code, format_report as format_encoder_report
-
-        return _report(args, text_encoder.compile_report, format_encoder_report, exit_code)
-    return _report(args, _dit_report, format_report, report_exit_code)
+    # the UMT5 text encoder: its own request (its report and per-layer bill come with it)
+    return _report(args, text_encoder.compile_report if text_encoder.encoder_only(args) else _dit_report)
 
 
 def _dit_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
@@ -103,8 +100,7 @@ def _dit_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
     return compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
 
 
-def _report(args: argparse.Namespace, make: Callable[[argparse.Namespace, Path | None], dict[str, Any]],
-            fmt: Callable[[dict[str, Any]], str], exit_code: Callable[[dict[str, Any]], int]) -> int:
+def _report(args: argparse.Namespace, make: Callable[[argparse.Namespace, Path | None], dict[str, Any]]) -> int:
     """``make(args, out)`` (a component's report), written to ``--out`` and printed (``--json``: one
     JSON object); a request or compile that cannot be set up is one line and exit 2."""
     t0 = time.perf_counter()
@@ -123,9 +119,9 @@ def _report(args: argparse.Namespace, make: Callable[[argparse.Namespace, Path |
     if args.json:
         print(json.dumps(report))
     else:
-        print(fmt(report))
+        print(format_report(report))
         print(f"(wall time with both compiles and process start-up: {report['wall_seconds']:.0f} s)")
-    return exit_code(report)
+    return report_exit_code(report)
 
 
 def add_subcommands(sub: Any) -> None:

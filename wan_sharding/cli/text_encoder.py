@@ -59,8 +59,7 @@ def validate_compile(args: argparse.Namespace) -> None:
 def compile_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
     """``compile --component text-encoder``: the encoder's request next to a 1-layer twin, and its
     report (the per-layer bill against one all-reduce per attention and per FFN)."""
-    from ..compile import CompileRequest
-    from ..compile.text_encoder import encoder_reports
+    from ..compile import CompileRequest, compile_reports
 
     req = CompileRequest(
         component=COMPONENT, mesh=args.mesh, size=args.size, blocks=args.blocks, prompt_tokens=args.tokens, vocab=args.vocab,
@@ -68,7 +67,7 @@ def compile_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]
         composites="none" if args.no_fused_sdpa else args.composites, compile_options=args.compile_options,
         mark_arguments=not args.no_argument_marks,
         out_dir=str(out / f"layers_{args.blocks or 'all'}") if out else None).validate()
-    return encoder_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
+    return compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose)[0]
 
 
 def check_cases(args: argparse.Namespace) -> list[EncoderCase]:

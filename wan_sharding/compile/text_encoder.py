@@ -16,23 +16,20 @@ TTNN module against the encoder's design:
 The encoder has no SP: on a mesh with an SP axis (2x4, 8x4) its weights are the same on every SP
 row, and it is compiled on the mesh's TP role alone (:func:`encoder_mesh`), so no constraint or
 composite pin splits its tokens. The per-layer bill is the difference of two depths, as the DiT's
-per-block bill (:func:`~.bill.per_block_bill`).
+per-block bill (:func:`~.bill.per_block_bill`); :func:`wan_sharding.compile.compile_reports` compiles
+an encoder's request next to its 1-layer twin and builds its report here (:func:`build_report`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ..mesh import MeshSpec, as_mesh_spec
 from ..options import torch_dtype
 from . import bill as ir_bill
-from .report import (EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, base_depth, compile_lines, composite_lines,
-                     failure_lines, no_bill)
 from .request import CompileRequest, CompileResult
-from .runner import compile_many
 from .ttnn_ir import TTNNModule, format_bytes, ttir_attention
 
 COMPONENT = "text-encoder"
@@ -152,7 +149,7 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         "trace_rss_mb": main.trace_rss_mb, "ttnn_path": main.ttnn_path, "ttir_path": main.ttir_path,
         "stablehlo_path": main.stablehlo_path,
         "design": {f"{k}/{s}/{a}": n for (k, s, a), n in design_bill(req.mesh).items()},
-        "design_reduce_bytes": design_reduce_bytes(req),
+        "design_reduce_bytes": design_reduce_bytes(req), "tile_aligned": True,  # no SP: no token split to align
     }
     if not main.ok:
         report.update(error=main.error, diagnostics=main.diagnostics[:10], bill_ok=False, ops={}, per_block={})
@@ -173,7 +170,7 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
     report.update(ops=module.histogram(), collectives=ir_bill.collective_table(module, mesh),
                   const_eval_ops=sum(const_eval.values()), const_eval_ops_by_op=dict(const_eval.most_common()))
     if base is None or not base.ok:
-        report.update(no_bill(req, base, "layer"))
+        report.update(ir_bill.no_bill(req.num_blocks, base, "layer"))
         return report
     shallow = TTNNModule.from_file(base.ttnn_path)
     layers = (base.request.num_blocks, req.num_blocks)
@@ -192,59 +189,3 @@ def build_report(main: CompileResult, base: CompileResult | None) -> dict[str, A
         bill_ok=not problems, bill_problems=problems, base_blocks=layers[0], base_compile_seconds=base.compile_seconds,
     )
     return report
-
-
-def encoder_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0", *, timeout: float = 3600.0,
-                    work_dir: str | Path | None = None, verbose: bool = False) -> list[dict[str, Any]]:
-    """Compile each encoder request next to a shallower twin (1 layer, or 2 when 1 is asked for)
-    in one worker batch: one :func:`build_report` per request."""
-    def twin(r: CompileRequest) -> CompileRequest:
-        out = None if r.out_dir is None else str(Path(r.out_dir).with_name(Path(r.out_dir).name + "_base"))
-        return dataclasses.replace(r, out_dir=out, blocks=base_depth(r.num_blocks))
-
-    flat = [x for r in requests for x in (r, twin(r))]
-    results = compile_many(flat, arch, timeout=timeout, work_dir=work_dir, verbose=verbose)
-    return [build_report(results[2 * i], results[2 * i + 1]) for i in range(len(requests))]
-
-
-def exit_code(report: dict[str, Any]) -> int:
-    """:data:`~.report.EXIT_ERROR` when the compile failed, :data:`~.report.EXIT_CHECK_FAILED` when
-    the per-layer bill differs from the design, else :data:`~.report.EXIT_OK`."""
-    if not report["ok"]:
-        return EXIT_ERROR
-    return EXIT_OK if report["bill_ok"] else EXIT_CHECK_FAILED
-
-
-def format_report(report: dict[str, Any], top: int = 15) -> str:
-    """Human-readable text for one encoder report."""
-    vocab = "" if report.get("vocab") is None else f", vocab cut to {report['vocab']} (the lookup's table only)"
-    lines = [f"text encoder UMT5 ({report['size']}{vocab}), {report['blocks']} layers, mesh {report['mesh']} "
-             f"(TP {report['tp']}; the encoder has no SP), {report['batch']} x {report['tokens']} prompt tokens, "
-             f"{report['dtype']}, frontend {report['frontend']}"]
-    lines += composite_lines(report)
-    if not report["ok"]:
-        return "\n".join(lines + failure_lines(report))
-    lines += compile_lines(report)
-    lines.append(f"TTNN op histogram (top {top}, deallocations left out): "
-                 + ", ".join(f"{k} {v}" for k, v in list(report["ops"].items())[:top]))
-    lines.append("collectives in the whole graph (per device):")
-    lines += [f"  {r['count']:>4} x {r['kind']:<15} over {str(r['axis']):<4} {r['size']:<6} {r['payload']:<24} "
-              f"{format_bytes(r['bytes']):>10}" for r in report["collectives"]]
-    if report.get("per_block_entries") is not None:
-        lines.append(f"per-layer collective bill (difference of the {report['base_blocks']}- and "
-                     f"{report['blocks']}-layer graphs):")
-        lines += [f"  {e['count']:>4} x {e['kind']:<12} over {str(e['axis']):<4} {e['size']:<6} {e['payload']:<24} "
-                  f"{format_bytes(e['bytes']):>10} per device" for e in report["per_block_entries"]]
-        lines.append(f"TTNN ops per layer (bookkeeping left out): {report['runtime_ops_per_block']:g} in the step's "
-                     f"program, {report['const_eval_ops_per_block']:g} in const-eval; const-eval in all: "
-                     f"{report['const_eval_ops']} ops, run once when the program is loaded")
-    design = ", ".join(f"{n} {k.replace('/', ' ')}" for k, n in report["design"].items()) or "no collective (TP 1)"
-    lines.append(f"design per layer: {design} (after the attention's o and the FFN's wo), each "
-                 f"{format_bytes(report['design_reduce_bytes'])} per device; none once per forward")
-    attention = report.get("sdpa")
-    if attention is not None:
-        lines.append(f"fused attention: {attention['count']} ttir.scaled_dot_product_attention "
-                     f"({attention.get('traced_fused')} traced fused, {attention.get('traced_plain')} plain)")
-    lines.append("bill: OK (matches the design)" if report["bill_ok"] else "bill: DIFFERS from the design")
-    lines += [f"  {p}" for p in report.get("bill_problems", [])]
-    return "\n".join(lines)
