@@ -1,11 +1,16 @@
-"""The text encoder's PCC check: the sharded UMT5 encoder against the unsharded one, in the check
-job's own worker (``python -m wan_sharding.jobs.check``; its cases are written ``text-encoder:...``).
+"""The text encoder's jobs: its PCC check cases, and the encoder stage timed on the host and on a mesh.
 
-:func:`run_case` is the worker side of one case; ``wan_sharding.jobs.check`` starts the worker and
-grades every result by the suite's one rule (:func:`~wan_sharding.jobs.pcc.grade`). A case is a
-dtype and a batch of prompts given as their valid token counts over the tiny prompt length (16):
-the rest of each row is padding ids with a zero attention mask, as the Wan pipelines' tokenizer
-call makes them (``padding="max_length"``).
+- The check: the sharded UMT5 encoder against the unsharded one, in the check job's own worker
+  (``python -m wan_sharding.jobs.check``; its cases are written ``text-encoder:...``). :func:`run_case`
+  is the worker side of one case; ``wan_sharding.jobs.check`` starts the worker and grades every
+  result by the suite's one rule (:func:`~wan_sharding.jobs.pcc.grade`). A case is a dtype and a
+  batch of prompts given as their valid token counts over the tiny prompt length (16): the rest of
+  each row is padding ids with a zero attention mask, as the Wan pipelines' tokenizer call makes them
+  (``padding="max_length"``).
+- The stage timing (:func:`stage_timing_in_subprocess`, ``python -m wan_sharding.jobs.text_encoder``):
+  a prompt pair (prompt and negative prompt, one call each, as the pipelines encode them) through the
+  tiny encoder unsharded on the host and sharded on a CPU mesh, warm medians. CPU virtual devices:
+  it compares the two on this host and predicts nothing about hardware.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..models import PROMPT_TOKENS
+from ..workers import WorkerError, run_worker, worker_main
+from .launch import prepare_worker, stall_seconds, worker_env
 from .pcc import compare, save_pair
 
 ENCODER_CASE_PREFIX = "text-encoder:"  # how an encoder's case is written among the check worker's cases
@@ -96,3 +103,70 @@ def run_case(backend_name: str, mesh_name: str, case: EncoderCase, save: Path | 
         result["saved"] = save_pair(save, f"text-encoder-{backend_name}-{mesh_name}-{case.dtype}-{case.valid}",
                                     reference, out)
     return result
+
+
+# ------------------------------------------------------------------------------ the stage, timed
+
+
+def stage_timing_in_subprocess(backend: str, mesh: str, tokens: tuple[int, ...] = (16, 512), repeats: int = 5,
+                               warmup: int = 2, timeout: float = 1200) -> list[dict[str, Any]]:
+    """The encoder stage (a prompt pair) of the tiny encoder, host vs ``mesh`` on ``backend``, per
+    prompt length in ``tokens``: one result each (medians of ``repeats`` warm pairs, seconds)."""
+    from ..mesh import mesh_from_preset
+
+    params = {"backend": backend, "mesh": mesh, "tokens": list(tokens), "repeats": repeats, "warmup": warmup}
+    run = run_worker("wan_sharding.jobs.text_encoder", params, worker_env(backend, mesh_from_preset(mesh).num_devices),
+                     label=f"{backend} text encoder timing on {mesh}", timeout=timeout, stall_s=stall_seconds(backend))
+    if not run.ok:
+        raise WorkerError(f"{backend} text encoder timing on {mesh} failed (exit {run.returncode}):\n{run.output[-4000:]}")
+    return run.results
+
+
+def _seconds(call: Any) -> float:
+    t = time.perf_counter()
+    call()
+    return time.perf_counter() - t
+
+
+def _timing(params: dict[str, Any]):
+    """The worker side of :func:`stage_timing_in_subprocess`."""
+    import statistics
+
+    import torch
+
+    from ..models import build_text_encoder, text_encoder_inputs
+    from ..text_encoder import shard_text_encoder
+
+    prepare_worker(params["backend"])
+    torch.set_grad_enabled(False)
+    encoder = build_text_encoder("tiny")
+    sharded = copy.deepcopy(encoder)
+    handle = shard_text_encoder(sharded, params["mesh"], params["backend"])
+    try:
+        for tokens in params["tokens"]:
+            # the pair as the pipelines encode it: the prompt (a few words), then the empty negative prompt
+            pair = [text_encoder_inputs("tiny", tokens, valid=(min(11, tokens),)), text_encoder_inputs("tiny", tokens, valid=(1,))]
+            host = lambda: [encoder(ids, mask).last_hidden_state for ids, mask in pair]  # noqa: E731
+            mesh = lambda: [handle(ids, mask).last_hidden_state for ids, mask in pair]  # noqa: E731
+            first_mesh, first_host = _seconds(mesh), _seconds(host)  # the mesh's first call compiles
+            for _ in range(params["warmup"] - 1):
+                host(), mesh()
+            # interleaved, so a busy host (or a runtime's threads still spinning) slows both alike
+            host_s, mesh_s = zip(*[(_seconds(host), _seconds(mesh)) for _ in range(params["repeats"])])
+            value, max_abs = compare(torch.cat(host()), torch.cat(mesh()))
+            yield {"backend": params["backend"], "mesh": params["mesh"], "tokens": tokens, "size": "tiny",
+                   "pair_host_s": statistics.median(host_s), "pair_mesh_s": statistics.median(mesh_s),
+                   "mesh_over_host": statistics.median(mesh_s) / statistics.median(host_s),
+                   "first_pair_mesh_s": first_mesh, "first_pair_host_s": first_host,
+                   "host_s": list(host_s), "mesh_s": list(mesh_s), "pcc": value, "max_abs": max_abs,
+                   "params": handle.specs.counts()}
+    finally:
+        handle.remove()
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ..backends import BackendError
+
+    sys.exit(worker_main(_timing, expected=(BackendError,)))
