@@ -71,8 +71,11 @@ def _fixtures(root: Path) -> dict[str, str]:
     other = root / "sd-model"
     other.mkdir()
     (other / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    no_encoder = root / "wan-without-text-encoder"  # saved with prompt embeddings in its place
+    no_encoder.mkdir()
+    (no_encoder / "model_index.json").write_text('{"_class_name": "WanPipeline", "text_encoder": [null, null]}')
     return {"file": str(root / "a-file"), "dir": str(root), "unwritable": UNWRITABLE,
-            "badmodel": str(bad), "notwan": str(other)}
+            "badmodel": str(bad), "notwan": str(other), "noencoder": str(no_encoder)}
 
 
 def _fill(text: str, values: dict[str, str]) -> str:

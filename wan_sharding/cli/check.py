@@ -89,11 +89,14 @@ def _specs(args: argparse.Namespace) -> int:
     from ..models import build_dit
     from ..specs import shard_dit_specs
 
-    dit = build_dit(args.variant, args.size, device="meta")
     mesh = cfg_plan(args.mesh, 2, None).mesh() if args.cfg == 2 else args.mesh  # named e.g. 8x4-cfg2
-    specs = shard_dit_specs(dit, mesh)  # cfg: the same TP split in each group, whole across the groups
+    if text_encoder.encoder_only(args):  # UMT5's specs on the same mesh rules
+        specs = text_encoder.specs(args.size, mesh)
+    else:
+        specs = shard_dit_specs(build_dit(args.variant, args.size, device="meta"), mesh)  # cfg: TP split in each group
     if args.json:
-        print(json.dumps({"mesh": mesh if isinstance(mesh, str) else mesh.name, "variant": args.variant,
+        print(json.dumps({"mesh": mesh if isinstance(mesh, str) else mesh.name, "component": args.component,
+                          "variant": args.variant,
                           "counts": specs.counts(), "cfg": args.cfg,
                           "specs": {n: list(s) for n, s in specs.by_name().items()}}, indent=1))
     else:
@@ -142,6 +145,7 @@ def add_subcommands(sub: Any) -> None:
     check.set_defaults(func=_check, validate=_validate_check)
 
     specs = sub.add_parser("specs", help="print the partition spec of every parameter")
+    add_component(specs, ("dit", text_encoder.COMPONENT))
     add_mesh(specs, "8x4")
     add_cfg(specs)
     specs.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)

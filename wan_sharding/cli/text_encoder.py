@@ -90,6 +90,15 @@ def validate_pipeline(args: argparse.Namespace) -> None:
                          "load a checkpoint with its UMT5 text encoder, or leave --text-encoder at host")
 
 
+def specs(size: str, mesh: Any) -> Any:
+    """``specs --component text-encoder``: every parameter's spec of the UMT5 encoder of ``size``
+    (on the meta device: no memory)."""
+    from ..models import build_text_encoder
+    from ..text_encoder import shard_text_encoder_specs
+
+    return shard_text_encoder_specs(build_text_encoder(size, device="meta"), mesh)
+
+
 def print_row(r: dict[str, Any], header: bool) -> None:
     """One text encoder row of ``check``."""
     if header:
