@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from wan_sharding import ShardingError, apply_dit_sp_activation_sharding
-from wan_sharding.models import build_dit
+from wan_sharding import ShardingError, apply_dit_sp_activation_sharding, shard_text_encoder
+from wan_sharding.models import build_dit, build_text_encoder
 from wan_sharding.pipeline.tiny import PipelineUnavailable, load_pipeline
 from wan_sharding.plan import PlanError, ShardingPlan
 
@@ -73,8 +73,12 @@ def _fixtures(root: Path) -> dict[str, str]:
     other.mkdir()
     (other / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     ShardingPlan().save(root / "plan-2x4.json")
+    no_encoder = root / "wan-without-text-encoder"  # saved with prompt embeddings in its place
+    no_encoder.mkdir()
+    (no_encoder / "model_index.json").write_text('{"_class_name": "WanPipeline", "text_encoder": [null, null]}')
     return {"file": str(root / "a-file"), "dir": str(root), "unwritable": UNWRITABLE,
-            "badmodel": str(bad), "notwan": str(other), "plan": str(root / "plan-2x4.json")}
+            "badmodel": str(bad), "notwan": str(other), "plan": str(root / "plan-2x4.json"),
+            "noencoder": str(no_encoder)}
 
 
 def _fill(text: str, values: dict[str, str]) -> str:
@@ -173,6 +177,11 @@ class _Api:
         self.fresh.append(model)
         return model
 
+    def encoder(self, **overrides):
+        model = build_text_encoder(**overrides)
+        self.fresh.append(model)
+        return model
+
     def sp_dit(self):
         model = build_dit("t2v-a14b")
         handle = apply_dit_sp_activation_sharding(model, "2x4", backend="jax", padding="mask")
@@ -183,6 +192,7 @@ class _Api:
         return {"ShardingPlan": ShardingPlan, "plan": self.plan, "write": self.write, "dit": self.dit,
                 "load_pipeline": load_pipeline,
                 "sp_dit": self.sp_dit, "apply_dit_sp_activation_sharding": apply_dit_sp_activation_sharding,
+                "encoder": self.encoder, "shard_text_encoder": shard_text_encoder,
                 "copy": copy, "pickle": pickle}
 
 

@@ -22,7 +22,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages a user reads for one topic: each linked from the README and from docs/README.md.
 TOPICS = ["check.md", "pipelines.md", "caching.md", "compile-only.md", "compile-hardware.md", "tt-backend.md", "patches.md", "planner.md",
           "meshes.md", "serving.md", "bad-inputs.md", "design.md", "hardware-facts.md", "tt-mlir-notes.md", "results.md",
-          "layout.md"]
+          "layout.md", "text-encoder.md", "pipeline-stages.md"]
 # What commands write (named in example output, made by the command, not kept in git): generate's
 # and submit's default --out, serve's --store, and the report `pytest -m tt` writes on hardware.
 OUTPUT_DIRS = ("results/generate/", "results/submit", "results/serve", "results/tt-first-run-")

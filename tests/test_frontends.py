@@ -54,10 +54,37 @@ def reports(tmp_path_factory) -> dict[str, dict]:
         "torch-xla/prompt_kv": _tiny("torch-xla", patches=("prompt_kv",)),
         # hardware's options: DRAM space saving compiles once the RoPE is half-rotation
         "torch-xla/rope": _tiny("torch-xla", patches=("rope",), compile_options=None),
+        # the UMT5 text encoder (2 layers): tiny through both frontends (the torch-xla one in the same
+        # trace worker as the tiny DiTs on 2x4), and at UMT5-XXL's widths on the Galaxy, 512 tokens
+        **{f"text-encoder/{frontend}": CompileRequest(component="text-encoder", size="tiny", mesh="2x4", blocks=2,
+                                                       frontend=frontend) for frontend in ("torchax", "torch-xla")},
+        "text-encoder/full": CompileRequest(component="text-encoder", size="full", mesh="8x4", blocks=2),
     }
     work = tmp_path_factory.mktemp("frontends")
     out = compile_reports([r for r in reqs.values()], "wormhole_b0", timeout=900, work_dir=work)
     return dict(zip(reqs, out))
+
+
+@needs_plugin
+@pytest.mark.parametrize("key,reduce_bytes", [("text-encoder/torchax", 1 * 16 * 32 * 2),
+                                              ("text-encoder/torch-xla", 1 * 16 * 32 * 2),
+                                              ("text-encoder/full", 1 * 512 * 4096 * 2)])
+def test_text_encoder_compiles_with_one_all_reduce_per_attention_and_per_ffn(reports, key, reduce_bytes):
+    """The UMT5 encoder through tt-mlir, as hardware's frontend hands it over (arguments marked,
+    hardware's composites): per layer exactly one all-reduce over TP after the attention and one after
+    the FFN, each the bf16 residual stream (B x L x d_model), nothing once per forward; the attention
+    fused (the per-head relative bias as its mask)."""
+    r = reports[key]
+    assert r["ok"] and r["component"] == "text-encoder", r.get("error")
+    assert r["bill_ok"], r["bill_problems"]
+    assert r["per_block"] == {"all_reduce": 2} and r["per_forward_collectives"] == {}
+    assert [(e["kind"], e["axis"], e["size"], e["count"], e["bytes"]) for e in r["per_block_entries"]] == \
+        [("all_reduce", "tp", "large", 2, reduce_bytes)] == [("all_reduce", "tp", "large", 2, r["design_reduce_bytes"])]
+    assert r["sdpa"]["count"] == 2 and r["sdpa"]["traced_fused"] == 2 and r["sdpa"]["traced_plain"] == 0
+    assert all(c["mask"] for c in r["sdpa"]["calls"])  # the relative position bias (and padding mask)
+    # 22 weights (the tied embedding once, 10 per layer, the final norm) and the two inputs
+    assert r["arguments_marked"] == r["argument_types"] == {"parameter": 22, "input": 2}
+    assert r["runtime_ops_per_block"] > 0 and r["const_eval_ops"] > 0
 
 
 @needs_plugin

@@ -55,11 +55,18 @@ API_SCRIPT = textwrap.dedent('''
 
     r["not_wan"] = refused(lambda: shard_pipeline(NotWan(experts[0]), "2x4", backend="xla"))
     r["bad_padding"] = refused(lambda: shard_pipeline(pipe, "2x4", backend="xla", padding="zero"))
-    r["untouched_after_refusals"] = all(getattr(pipe, n) is e for n, e in zip(("transformer", "transformer_2"), experts))
+    no_encoder = build_tiny_pipeline("t2v-a14b", text_encoder=False)  # prompt embeddings given instead
+    r["no_text_encoder"] = refused(lambda: shard_pipeline(no_encoder, "2x4", backend="xla", text_encoder=True))
+    r["untouched_after_refusals"] = all(getattr(pipe, n) is e for n, e in zip(("transformer", "transformer_2"), experts)) \
+        and no_encoder.transformer is not None and not isinstance(no_encoder.transformer, ShardedTransformer)
 
-    handle = shard_pipeline(pipe, "2x4", backend="xla")
+    encoder = pipe.text_encoder
+    encoder_params = [id(t) for t in encoder.parameters()]
+    handle = shard_pipeline(pipe, "2x4", backend="xla", text_encoder=True)  # the UMT5 encoder on the mesh too
     wrappers = (pipe.transformer, pipe.transformer_2)
     r["wrapped"] = [type(w).__name__ for w in wrappers]
+    r["text_encoder_wrapped"] = [type(pipe.text_encoder).__name__, str(next(encoder.parameters()).device),
+                                 list(pipe.config["text_encoder"])]
     r["pipe_device_sharded"] = str(pipe.device)
     r["expert_device_sharded"] = str(next(experts[0].parameters()).device)
     r["config_sharded"] = list(pipe.config["transformer"])
@@ -82,13 +89,16 @@ API_SCRIPT = textwrap.dedent('''
 
     handle.remove()
     handle.remove()  # idempotent
-    r["restored_objects"] = all(getattr(pipe, n) is e for n, e in zip(("transformer", "transformer_2"), experts))
-    r["restored_params"] = [[id(t) for t in e.parameters()] for e in experts] == params
+    r["restored_objects"] = all(getattr(pipe, n) is e for n, e in zip(("transformer", "transformer_2"), experts)) \
+        and pipe.text_encoder is encoder
+    r["restored_params"] = [[id(t) for t in e.parameters()] for e in experts] == params \
+        and [id(t) for t in encoder.parameters()] == encoder_params \
+        and encoder.encoder.embed_tokens.weight is encoder.shared.weight
     r["restored_config"] = dict(pipe.config) == config
     r["expert_device_after"] = str(next(experts[0].parameters()).device)
     r["bit_identical_after"] = bool(torch.equal(run(pipe), reference))
     r["no_hooks_after"] = all(not m._forward_hooks and not m._forward_pre_hooks
-                              for e in experts for m in e.modules())
+                              for e in (*experts, encoder) for m in e.modules())
     try:
         wrappers[0](hidden_states=None)
     except ShardingError as e:
@@ -97,7 +107,7 @@ API_SCRIPT = textwrap.dedent('''
     again.remove()
     r["reshard_ok"] = pipe.transformer is experts[0]
 
-    # load_pipeline: a saved pipeline directory, offline (the tiny one has no text encoder)
+    # load_pipeline: a saved pipeline directory, offline (the tiny one with its UMT5 encoder and tokenizer)
     import tempfile
     from wan_sharding.pipeline.tiny import PipelineUnavailable, load_pipeline
     with tempfile.TemporaryDirectory() as folder:
@@ -165,7 +175,8 @@ def jobs(tmp_path_factory) -> dict[str, Future]:
         # longest first: jax on three meshes in one 32-device process, the default padding mode
         "compare_jax": pool.submit(compare_in_subprocess, "jax", ["1x4", "2x4", "8x4"], "t2v-a14b", 2),
         "generate": pool.submit(_run, [*cli, "generate", "--backend", "xla", "--mesh", "2x4", "--steps", "2",
-                                       "--padding", "slice", "--compare", "--out", str(out)], "xla", 8),
+                                       "--padding", "slice", "--text-encoder", "mesh", "--compare", "--out", str(out)],
+                                "xla", 8),
         "api": pool.submit(_run, [sys.executable, "-c", API_SCRIPT], "xla", 8),
         "prompt_kv": pool.submit(_run, [sys.executable, "-c", PROMPT_KV_SCRIPT], "jax", 8),
         "profile": pool.submit(_run, [*cli, "profile", "--backend", "jax", "--mesh", "1x4", "--what", "dit", "step",
@@ -197,6 +208,8 @@ def test_pipeline_latents_match_unsharded_on_every_mesh_jax(jobs):
 
 
 def test_generate_writes_video_and_summary_and_matches_unsharded_xla(jobs):
+    """``generate --mesh 2x4 --text-encoder mesh --compare`` on torch-xla: both experts and the tiny
+    UMT5 encoder sharded, the final latents against the unsharded pipeline's."""
     proc = jobs["generate"].result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compare: final latents sharded vs unsharded PCC" in proc.stdout
@@ -206,6 +219,9 @@ def test_generate_writes_video_and_summary_and_matches_unsharded_xla(jobs):
     assert summary["forwards"] == {"transformer": 2, "transformer_2": 2}
     assert summary["latent_shape"] == [1, 16, 2, 8, 12] and summary["video_shape"] == [5, 64, 96, 3]
     assert summary["pcc"] >= PCC_MIN and summary["max_abs"] <= MAX_ABS, summary
+    # the tiny UMT5 encoder ran on the mesh, not prompt embeddings given: the prompt and the negative prompt
+    assert summary["text_encoder"] == "mesh" and summary["text_encoder_calls"] == 2, summary
+    assert summary["text_encoder_params"]["embedding_colwise"] == 2
     assert len(summary["step_seconds"]) == 2 and summary["seconds"] > 0
     from PIL import Image
 
@@ -220,6 +236,8 @@ def test_shard_pipeline_refuses_restores_and_isolates(jobs):
     r = _result(jobs["api"].result())
     assert "Wan 2.2 pipeline" in r["not_wan"] and "NotWan" in r["not_wan"]
     assert "unknown padding mode" in r["bad_padding"]
+    assert "text_encoder=True, but this WanPipeline has no text encoder" in r["no_text_encoder"]
+    assert r["text_encoder_wrapped"] == ["ShardedTextEncoder", "xla:0", ["wan_sharding.pipeline", "ShardedTextEncoder"]]
     assert r["untouched_after_refusals"]
     assert r["wrapped"] == ["ShardedTransformer", "ShardedTransformer"]
     assert r["pipe_device_sharded"] == "cpu" and r["expert_device_sharded"].startswith("xla")

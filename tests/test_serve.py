@@ -201,7 +201,8 @@ def serving(store: Path, *extra: str, ready: Callable[[Server], object] = Server
 
 @pytest.fixture(scope="module")
 def server(store):
-    yield from serving(store, "--queue", "1")
+    # the UMT5 text encoder sharded with the experts (the other serve tests' servers keep it on the host)
+    yield from serving(store, "--queue", "1", "--text-encoder", "mesh")
 
 
 @pytest.fixture(scope="module")
@@ -356,6 +357,33 @@ def test_metrics(server, reference):
     assert re.search(rf"^wan_sharding_worker_ready\{{{worker}\}} 1$", text, re.M)
     assert re.search(rf"^wan_sharding_worker_replaced_total\{{{worker}\}} {restarts}$", text, re.M)
     assert re.search(rf"^wan_sharding_worker_completed_total\{{{worker}\}} {count}$", text, re.M)
+
+
+def _prompt_cache(text: str) -> dict[str, float]:
+    """worker 0's prompt-embedding counts in a /metrics text."""
+    found = re.findall(r'^wan_sharding_prompt_cache_(\w+)\{worker="0",[^}]*\} (\S+)$', text, re.M)
+    return {k: float(v) for k, v in found}
+
+
+def test_a_repeated_prompt_reuses_its_embeddings(server, reference):
+    """The worker encodes a prompt once (on the mesh: ``--text-encoder mesh``) and reuses its
+    embedding for a repeated prompt, within its --prompt-cache-mb bound: the counts in /metrics, the
+    same video from the cached embedding as from the freshly encoded one."""
+    server.wait_healthy()
+    assert server.http.get("/health").json()["worker"]["text_encoder"] == "mesh"
+    before = _prompt_cache(server.http.get("/metrics").text)
+    body = {**REQUEST, "prompt": "a white horse walking over a frozen lake"}  # never sent before
+    first = server.wait(server.post(body).json()["id"])
+    middle = _prompt_cache(server.http.get("/metrics").text)
+    again = server.wait(server.post(body).json()["id"])  # the same prompt (and negative prompt) again
+    after = _prompt_cache(server.http.get("/metrics").text)
+    assert first["status"] == again["status"] == "completed"
+    # the new prompt once (a miss); the empty negative prompt was kept since the warm-up (a hit)
+    assert (middle["misses_total"] - before["misses_total"], middle["hits_total"] - before["hits_total"]) == (1, 1)
+    assert (after["misses_total"] - middle["misses_total"], after["hits_total"] - middle["hits_total"]) == (0, 2)
+    assert after["entries"] >= 2 and 0 < after["bytes"] <= after["max_bytes"] == 256 * 2**20
+    assert after["bytes"] == after["entries"] * 16 * 32 * 4  # tiny fp32 embeddings: 16 tokens x 32
+    assert server.video(first["id"]) == server.video(again["id"])
 
 
 def test_a_second_server_on_the_same_port_or_store_is_refused(server, store, tmp_path):

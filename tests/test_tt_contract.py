@@ -208,6 +208,28 @@ def test_tt_backend_compiles_once_per_model_and_input_signature(tt_stand_ins):
     assert tt_stand_ins.options == [WAN_TEST_OPTIONS]
 
 
+def test_tt_backend_compiles_the_text_encoder_once_with_its_mask_hook_and_no_norm_pins(tt_stand_ins):
+    """The UMT5 encoder on the tt backend (``shard_text_encoder`` runs it through ``backend.run``):
+    one ``torch.compile(..., backend="tt")`` per input signature with its padding-mask hook inside,
+    no RMSNorm pins (its norms are whole on every device), and the unsharded output."""
+    from wan_sharding.models import build_text_encoder, text_encoder_inputs
+    from wan_sharding.text_encoder.shard import MaskHook
+
+    backend = _tt_backend()
+    encoder = build_text_encoder()
+    ids, mask = text_encoder_inputs(valid=(11,))
+    with torch.no_grad():
+        ref = encoder(ids, mask).last_hidden_state
+        hook = MaskHook(encoder)  # what shard_text_encoder installs
+        first, second = backend.run(encoder, None, ids, mask), backend.run(encoder, None, ids, mask)
+        hook.remove()
+    assert [(m, b, kw) for m, b, kw in tt_stand_ins.compiles] == [(encoder, "tt", {"dynamic": False})]
+    assert backend.pin_norms(encoder).names == []
+    torch.testing.assert_close(first, ref)
+    torch.testing.assert_close(second, ref)
+    backend.release(encoder)
+
+
 def test_tt_compile_options_defaults_and_overrides(tt_stand_ins, monkeypatch):
     assert TTCompileOptions().to_torch_xla() == WAN_TEST_OPTIONS
     dit = build_dit("t2v-a14b")

@@ -13,6 +13,8 @@ The public API, all of it acting on one model instance and undone by ``remove()`
   parallel); :class:`ShardingPlan`: a planner's plan, accepted wherever a
   mesh is.
 - :func:`apply_patches`: opt-in exact model rewrites (``shard_dit``'s ``patches=`` applies them).
+- :func:`shard_text_encoder` and :func:`shard_text_encoder_specs`: the pipelines' UMT5 text encoder,
+  Megatron TP on the mesh (``shard_pipeline(..., text_encoder=True)`` does it for a pipeline).
 """
 
 from .activation import SPHandle, apply_dit_sp_activation_sharding
@@ -23,11 +25,13 @@ from .patches import PatchError, apply_patches
 from .pipeline import PipelineHandle, diffusers_without_torch_xla, shard_pipeline
 from .plan import WAN_SP_POINTS, WAN_TP_TABLE, PlanError, ShardingPlan
 from .specs import ShardingError, ShardSpecs, shard_dit_specs
+from .text_encoder import TextEncoderHandle, shard_text_encoder, shard_text_encoder_specs
 
 __all__ = [
     "BACKENDS", "Backend", "BackendError", "DitHandle", "MeshError", "MeshSpec", "PRESETS", "PatchError",
-    "PipelineHandle", "PlanError", "SPHandle", "ShardSpecs", "ShardingError", "ShardingPlan", "WAN_SP_POINTS",
+    "PipelineHandle", "PlanError", "SPHandle", "ShardSpecs", "ShardingError", "ShardingPlan", "TextEncoderHandle",
+    "WAN_SP_POINTS",
     "WAN_TP_TABLE", "apply_dit_sp_activation_sharding", "apply_patches", "diffusers_without_torch_xla",
     "get_backend", "mesh_for_device_count", "mesh_from_preset", "shard_dit", "shard_dit_specs", "shard_pipeline",
-    "with_cfg",
+    "shard_text_encoder", "shard_text_encoder_specs", "with_cfg",
 ]

@@ -27,6 +27,7 @@ import torch
 
 from .activation import SPHandle, apply_dit_sp_activation_sharding, check_sp
 from .backends import Backend, get_backend
+from .backends.base import move_module
 from .hooks import has_sp
 from .mesh import MeshSpec, as_mesh_spec
 from .options import DEFAULT_PADDING, PADDING_NAMES
@@ -361,7 +362,7 @@ def _return_to_host(h: ShardHandle) -> None:
     """Back to the host: the original parameter and buffer objects when they were kept (exact, and
     no device-to-host copy), else a copy of the device weights via ``.to(original_device)``."""
     if h.host_tensors is None:
-        h.model.to(h.original_device)
+        move_module(h.model, h.original_device)  # tied weights stay tied
         return
     for module, kind, name, tensor in h.host_tensors:
         if kind == "param":
@@ -370,4 +371,4 @@ def _return_to_host(h: ShardHandle) -> None:
         elif module._buffers.get(name) is not tensor:
             module.register_buffer(name, tensor, persistent=name not in module._non_persistent_buffers_set)
     if any(t.device != h.original_device for *_, t in h.host_tensors):  # moved in place (same objects)
-        h.model.to(h.original_device)
+        move_module(h.model, h.original_device)

@@ -37,21 +37,18 @@ class ForwardState:
 
 class RefusesCopy:
     """For the objects the package installs on a model (hooks, attention processors): deep copy and
-    pickling of the model reach them and stop with a clear error. A copy would otherwise keep them
-    bound to the original's forward state and backend and compute wrong results silently."""
+    pickling of the model reach them and stop with a clear error (``copy_refusal``). A copy would
+    otherwise keep them bound to the original's forward state and backend and compute wrong results
+    silently."""
+
+    copy_refusal = ("a model with sequence parallelism applied cannot be copied or pickled (its hooks belong to the "
+                    "original); call handle.remove() first, copy, then apply_dit_sp_activation_sharding to each copy")
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise _copy_error()
+        raise ShardingError(self.copy_refusal)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise _copy_error()
-
-
-def _copy_error() -> ShardingError:
-    return ShardingError(
-        "a model with sequence parallelism applied cannot be copied or pickled (its hooks belong to the original); "
-        "call handle.remove() first, copy, then apply_dit_sp_activation_sharding to each copy"
-    )
+        raise ShardingError(self.copy_refusal)
 
 
 class Hook(RefusesCopy):

@@ -70,10 +70,10 @@ def build_dit(variant: str = "t2v-a14b", size: str = "tiny", device: str | torch
     return cast_like_pretrained(dit, dtype).to(device).eval()
 
 
-def cast_like_pretrained(dit: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Cast floating parameters to ``dtype`` except the modules diffusers keeps in float32
-    (``_keep_in_fp32_modules``), as ``from_pretrained(torch_dtype=...)`` does."""
-    keep = tuple(getattr(dit, "_keep_in_fp32_modules", None) or ())
+def cast_like_pretrained(dit: torch.nn.Module, dtype: torch.dtype, keep: tuple[str, ...] | None = None) -> torch.nn.Module:
+    """Cast floating parameters to ``dtype`` except the modules named in ``keep`` (default: those
+    diffusers keeps in float32, ``_keep_in_fp32_modules``), as ``from_pretrained(torch_dtype=...)`` does."""
+    keep = tuple(getattr(dit, "_keep_in_fp32_modules", None) or ()) if keep is None else keep
     for name, p in dit.named_parameters():
         if p.is_floating_point() and not any(k in name.split(".") for k in keep):
             p.data = p.data.to(dtype)
@@ -135,3 +135,78 @@ def guidance_pair(inputs: dict[str, torch.Tensor], seed: int = 2) -> tuple[dict,
     uncond = {**inputs, "encoder_hidden_states": torch.randn(text.shape, generator=g).to(text.dtype)}
     both = {k: torch.cat([inputs[k], uncond[k]]) for k in inputs}
     return inputs, uncond, both
+
+
+# ---- the UMT5 text encoder -------------------------------------------------------------------
+# transformers UMT5EncoderModel configs. Full: UMT5-XXL as every Wan 2.2 diffusers checkpoint holds
+# it in text_encoder/config.json (diffusers' scripts/convert_wan_to_diffusers.py takes the encoder
+# and tokenizer from google/umt5-xxl; docs/hardware-facts.md lists the figures with their sources):
+# 5.7B parameters, a gated-GELU FFN, a relative attention bias in every layer's self-attention.
+# Tiny: the same structure (gated gelu_new, per-layer bias, 8 heads for TP up to 8) at the width the
+# tiny DiTs take as their prompt (text_dim 32).
+_UMT5 = dict(feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
+             layer_norm_epsilon=1e-6, is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False,
+             dropout_rate=0.0, pad_token_id=0, eos_token_id=1)
+TEXT_ENCODER_CONFIGS: dict[str, dict[str, Any]] = {
+    "full": {**_UMT5, "vocab_size": 256384, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_heads": 64,
+             "num_layers": 24},
+    "tiny": {**_UMT5, "vocab_size": 256, "d_model": 32, "d_kv": 8, "d_ff": 128, "num_heads": 8, "num_layers": 2},
+}
+
+
+def text_encoder_config(size: str = "tiny", **overrides: Any) -> dict[str, Any]:
+    """The UMT5 encoder's config of ``size`` (``"tiny"`` or ``"full"``), with ``overrides``."""
+    if size not in TEXT_ENCODER_CONFIGS:
+        raise ValueError(f"unknown model size {size!r}; choose 'tiny' or 'full'")
+    return {**TEXT_ENCODER_CONFIGS[size], **overrides}
+
+
+def build_text_encoder(size: str = "tiny", device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                       seed: int = 0, **overrides: Any):
+    """A transformers ``UMT5EncoderModel`` of ``size`` (random weights, no download). ``device="meta"``
+    builds it without memory, as compile-only lowering needs for the 5.7B full one; ``dtype`` is applied
+    as transformers' ``from_pretrained(dtype=...)`` applies it (:func:`transformers_fp32_modules`)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(**text_encoder_config(size, **overrides))
+    if str(device) == "meta":
+        with torch.device("meta"):
+            encoder = UMT5EncoderModel(config)
+            return cast_like_pretrained(encoder, dtype, transformers_fp32_modules(encoder, dtype)).eval()
+    torch.manual_seed(seed)
+    encoder = UMT5EncoderModel(config)
+    with torch.no_grad():  # a scale that keeps every layer's contribution visible in a tiny model
+        for p in encoder.parameters():
+            p.normal_(0.0, 0.5 / max(p.shape[-1], 1) ** 0.5 if p.ndim > 1 else 0.1)
+            if p.ndim == 1:
+                p.add_(1.0)  # the layer norms' scales around one
+    return cast_like_pretrained(encoder, dtype, transformers_fp32_modules(encoder, dtype)).to(device).eval()
+
+
+def transformers_fp32_modules(model: torch.nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    """The modules transformers' ``from_pretrained`` keeps in float32 at ``dtype``: its
+    ``_keep_in_fp32_modules`` only for float16 (UMT5's ``wo``: not for bfloat16, which Wan loads),
+    ``_keep_in_fp32_modules_strict`` for float16 and bfloat16 (transformers ``modeling_utils.py``)."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        keep += tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return keep
+
+
+def text_encoder_inputs(size: str = "tiny", tokens: int | None = None, valid: tuple[int, ...] = (11,),
+                        seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` as the Wan pipelines make them: one row per entry of ``valid``
+    (that many tokens, the last an EOS, then padding ids with a zero mask) over ``tokens`` positions
+    (default: the size's prompt length)."""
+    cfg = text_encoder_config(size)
+    tokens = PROMPT_TOKENS[size] if tokens is None else tokens
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(valid), tokens), cfg["pad_token_id"], dtype=torch.long)
+    mask = torch.zeros(len(valid), tokens, dtype=torch.long)
+    for row, n in enumerate(valid):
+        if not 1 <= n <= tokens:
+            raise ValueError(f"a row of {n} valid tokens does not fit {tokens} positions")
+        ids[row, :n - 1] = torch.randint(2, cfg["vocab_size"], (n - 1,), generator=g)
+        ids[row, n - 1] = cfg["eos_token_id"]
+        mask[row, :n] = 1
+    return ids, mask

@@ -30,8 +30,11 @@ from .options import DEFAULT_PADDING, PADDING_NAMES  # DEFAULT_PADDING re-export
 COLWISE = "colwise"  # Linear split on its output features: no collective
 ROWWISE = "rowwise"  # Linear split on its input features: one all-reduce of the partial sums
 NORM_COLWISE = "norm_colwise"  # norm weight following a colwise split: one small stats all-reduce
+# nn.Embedding split on its embedding dim (torch's ColwiseParallel on an embedding: Shard(1)); its
+# output stays split like a colwise Linear's, no collective (UMT5's per-head relative attention bias)
+EMBEDDING_COLWISE = "embedding_colwise"
 REPLICATE = "replicate"  # full copy on every device: no collective
-STYLES = (COLWISE, ROWWISE, NORM_COLWISE, REPLICATE)
+STYLES = (COLWISE, ROWWISE, NORM_COLWISE, EMBEDDING_COLWISE, REPLICATE)
 
 # Megatron pairs (colwise then rowwise) keep the activation TP-sharded across the nonlinearity,
 # so each pair costs one all-reduce. Head-aligned: 40 heads / TP 4 = 10 whole heads per device.

@@ -1,7 +1,9 @@
 """Plan + model + mesh -> a partition spec for every parameter. Pure: never changes the model.
 
 Works on a ``meta``-device model (only names and shapes are read), so the full 14B DiT can be
-planned and compiled without weights.
+planned and compiled without weights. The machinery is generic over models (a TP table in the
+``plan.py`` vocabulary, :func:`table_specs`); :func:`shard_dit_specs` is the DiT's use of it, and
+``wan_sharding.text_encoder.specs`` the UMT5 encoder's.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 
 from .mesh import MeshSpec, as_mesh_spec
-from .plan import COLWISE, NORM_COLWISE, REPLICATE, ROWWISE, STYLES, WAN_TP_TABLE
+from .plan import COLWISE, EMBEDDING_COLWISE, NORM_COLWISE, REPLICATE, ROWWISE, STYLES, WAN_TP_TABLE
 
 Spec = tuple  # one entry per tensor dim: None or a mesh axis name
 
@@ -46,10 +48,12 @@ def pattern_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(rf"\A{body}(?:\..+)?\Z" if tail_any else rf"\A{body}\Z")
 
 
-def resolve_styles(dit: torch.nn.Module, tp_table: Mapping[str, str] = WAN_TP_TABLE) -> dict[str, str]:
+def resolve_styles(dit: torch.nn.Module, tp_table: Mapping[str, str] = WAN_TP_TABLE,
+                   written_for: str = "the Wan 2.2 DiT") -> dict[str, str]:
     """Map every parameter name to the style of the TP table pattern that names its owner module.
 
-    Raises :class:`ShardingError` for a parameter no pattern covers, or two patterns that disagree.
+    Raises :class:`ShardingError` for a parameter no pattern covers (``written_for`` names the model
+    the table was written for), or two patterns that disagree.
     """
     for pattern, style in tp_table.items():
         if style not in STYLES:
@@ -70,7 +74,7 @@ def resolve_styles(dit: torch.nn.Module, tp_table: Mapping[str, str] = WAN_TP_TA
         shown = ", ".join(uncovered[:5]) + (" ..." if len(uncovered) > 5 else "")
         raise ShardingError(
             f"{len(uncovered)} parameters are not covered by the TP plan ({shown}); this model differs "
-            "from the Wan 2.2 DiT the plan was written for: add a pattern for them to the plan"
+            f"from {written_for} the plan was written for: add a pattern for them to the plan"
         )
     return styles
 
@@ -111,6 +115,8 @@ def _spec_for(style: str, shape: torch.Size, tp: Any) -> Spec:
         return (None, tp) if ndim == 2 else replicated
     if style == NORM_COLWISE:
         return (tp,) + (None,) * (ndim - 1)
+    if style == EMBEDDING_COLWISE:  # nn.Embedding weight is (num_embeddings, embedding_dim): split the latter
+        return (None, tp) if ndim == 2 else replicated
     raise ShardingError(f"unknown style {style!r}")
 
 
@@ -123,14 +129,19 @@ def _check_divisible(name: str, shape: torch.Size, spec: Spec, mesh: MeshSpec) -
             )
 
 
-def _check_heads(dit: torch.nn.Module, mesh: MeshSpec) -> None:
-    heads = dit.config.num_attention_heads
-    if heads % mesh.tp:
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+def check_tp_divides(count: int, what: str, mesh: MeshSpec, why: str = "head-aligned") -> None:
+    """One line, before anything is changed, when TP does not divide ``count`` of ``what`` (``40
+    attention heads``, ``10240 FFN channels``): the mesh's TP size must divide it."""
+    if count % mesh.tp:
+        divisors = [d for d in range(1, count + 1) if count % d == 0 and d <= 128]
         raise ShardingError(
-            f"{heads} attention heads are not divisible by TP={mesh.tp} (mesh {mesh.name}); "
-            f"TP must be head-aligned: use a mesh whose TP axis is one of {divisors}"
+            f"{count} {what} are not divisible by TP={mesh.tp} (mesh {mesh.name}); "
+            f"TP must be {why}: use a mesh whose TP axis is one of {divisors}"
         )
+
+
+def _check_heads(dit: torch.nn.Module, mesh: MeshSpec) -> None:
+    check_tp_divides(dit.config.num_attention_heads, "attention heads", mesh)
 
 
 class ShardSpecs(Mapping):
@@ -175,11 +186,13 @@ class ShardSpecs(Mapping):
         return total
 
     def counts(self) -> dict[str, int]:
-        """How many parameters each style got, e.g. ``{'colwise': 28, 'rowwise': 14, ...}``."""
+        """How many parameters each style got, e.g. ``{'colwise': 28, 'rowwise': 14, ...}``: the
+        four DiT styles always, ``embedding_colwise`` when some parameter has it."""
         out = {s: 0 for s in (COLWISE, ROWWISE, NORM_COLWISE, REPLICATE)}
         for _, _, spec, style in self._entries:
             # A rowwise bias is replicated; count what the tensor actually gets.
-            out[style if any(a is not None for a in spec) else REPLICATE] += 1
+            key = style if any(a is not None for a in spec) else REPLICATE
+            out[key] = out.get(key, 0) + 1
         return out
 
     def __str__(self) -> str:
@@ -211,25 +224,40 @@ def shard_dit_specs(dit: torch.nn.Module, mesh_or_plan: Any, tp_table: Mapping[s
         ShardingError: not a Wan model, heads or a sharded dim not divisible by TP, a parameter
             the TP table does not cover, or a plan for another mesh. Nothing is changed on the model.
     """
+    check_wan_model(dit)
+    mesh, fsdp = spec_mesh(mesh_or_plan, plan, fsdp)
+    _check_heads(dit, mesh)
+    return table_specs(dit, mesh, tp_table, fsdp=fsdp, fsdp_floor=fsdp_min_numel(dit) if fsdp else FSDP_MIN_NUMEL)
+
+
+def spec_mesh(mesh_or_plan: Any, plan: Any = None, fsdp: bool = False) -> tuple[MeshSpec, bool]:
+    """The mesh with its roles, and whether FSDP applies, from what a specs function was given: a
+    mesh (a preset, a :class:`MeshSpec`, a backend's own mesh) or a plan, or a mesh with a plan
+    beside it (which must be for that mesh's shape)."""
     from .plan import ShardingPlan
 
-    check_wan_model(dit)
     mesh = mesh_or_plan
-    if isinstance(mesh, ShardingPlan):  # shard_dit_specs(dit, plan)
+    if isinstance(mesh, ShardingPlan):  # specs(model, plan)
         mesh, plan = mesh.mesh(), mesh
     if plan is not None:
         if as_mesh_spec(mesh).shape != plan.mesh_shape:
             raise ShardingError(f"plan is for mesh {plan.mesh().name}, not {as_mesh_spec(mesh).name}")
         mesh, fsdp = plan.mesh(), plan.fsdp or fsdp
-    mesh = as_mesh_spec(mesh)
-    _check_heads(dit, mesh)
-    styles = resolve_styles(dit, tp_table)
-    floor = fsdp_min_numel(dit) if fsdp else FSDP_MIN_NUMEL
+    return as_mesh_spec(mesh), fsdp
+
+
+def table_specs(model: torch.nn.Module, mesh: MeshSpec, tp_table: Mapping[str, str], *, fsdp: bool = False,
+                fsdp_floor: int = FSDP_MIN_NUMEL, written_for: str = "the Wan 2.2 DiT") -> ShardSpecs:
+    """Every parameter of ``model`` with the spec of its style in ``tp_table`` on ``mesh``'s TP axis
+    (and, with ``fsdp``, each weight of at least ``fsdp_floor`` elements also split over SP), each
+    sharded dim checked against the mesh: the part of a specs function that is the same for every
+    model. Pure; ``written_for`` names the model the table was written for in its errors."""
+    styles = resolve_styles(model, tp_table, written_for)
     entries = []
-    for name, param in dit.named_parameters():
+    for name, param in model.named_parameters():
         spec = _spec_for(styles[name], param.shape, mesh.tp_axis)
         if fsdp:
-            spec = _add_fsdp(spec, param.shape, mesh, floor)
+            spec = _add_fsdp(spec, param.shape, mesh, fsdp_floor)
         _check_divisible(name, param.shape, spec, mesh)
         entries.append((name, param, spec, styles[name]))
     return ShardSpecs(entries, mesh)

@@ -201,6 +201,24 @@ class Program:
         return self._call()
 
 
+def move_module(model: torch.nn.Module, device: Any) -> None:
+    """``model.to(device)`` with every parameter that several modules share (tied weights: UMT5's
+    ``shared`` and ``encoder.embed_tokens``) still one parameter afterwards. ``Module.to`` makes a
+    new parameter per holding module when the move changes the tensor type (CPU <-> XLA), which would
+    put a tied table on the devices twice and leave a name (``encoder.embed_tokens.weight``) that the
+    specs, keyed by ``named_parameters()`` (one name per shared parameter), do not have."""
+    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((module, name))
+    model.to(device)
+    for (first, first_name), *rest in holders.values():
+        for module, name in rest:
+            if module._parameters[name] is not first._parameters[first_name]:
+                module.register_parameter(name, first._parameters[first_name])
+
+
 def input_signature(value: Any) -> Any:
     """What a compiled forward is specialised on: tensor shapes and dtypes, which inputs are
     ``None``, plain values as they are."""

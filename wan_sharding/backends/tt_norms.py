@@ -54,7 +54,10 @@ def pin_axes(mesh: MeshSpec) -> tuple[Any, Any]:
 
 def tp_split_norms(dit: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The model's ``nn.RMSNorm`` modules whose channels the TP table splits (``norm_colwise``:
-    Wan's ``norm_q``, ``norm_k``, ``norm_added_k``), by name."""
+    Wan's ``norm_q``, ``norm_k``, ``norm_added_k``), by name. A model without ``nn.RMSNorm``
+    (the UMT5 text encoder: its norms are its own module, whole on every device) has none."""
+    if not any(isinstance(m, torch.nn.RMSNorm) for m in dit.modules()):
+        return {}
     owners = {name.rpartition(".")[0] for name, style in resolve_styles(dit).items() if style == NORM_COLWISE}
     return {name: m for name, m in dit.named_modules() if name in owners and isinstance(m, torch.nn.RMSNorm)}
 

@@ -15,7 +15,8 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import Backend, BackendError, compiled_cache_program, input_signature, slice_bytes, with_xla_flags
+from .base import (Backend, BackendError, compiled_cache_program, input_signature, move_module, slice_bytes,
+                   with_xla_flags)
 
 
 def enable_spmd() -> None:
@@ -87,12 +88,13 @@ class XlaBackend(Backend):
         return torch_xla.device()
 
     def place(self, dit: torch.nn.Module, specs: Mapping[torch.Tensor, Spec]) -> Any:
-        """Move the model to the XLA device and mark every weight's sharding (replicated included)."""
+        """Move the model to the XLA device (tied weights stay tied: :func:`~.base.move_module`) and
+        mark every weight's sharding (replicated included)."""
         import torch_xla.distributed.spmd as xs
 
         # Look specs up by name, taken before the move: CPU -> XLA replaces the parameter objects.
         names = specs.by_name() if hasattr(specs, "by_name") else {n: specs[p] for n, p in dit.named_parameters()}
-        dit.to(self.device)
+        move_module(dit, self.device)
         for name, param in dit.named_parameters():
             spec = names[name]
             xs.mark_sharding(param, self.native_mesh, spec)

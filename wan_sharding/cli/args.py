@@ -39,6 +39,18 @@ def add_component(ap: argparse.ArgumentParser, choices: tuple[str, ...] = COMPON
                     help=f"the pipeline component: {', '.join(choices)} (default {DEFAULT_COMPONENT})")
 
 
+# Where the pipeline's UMT5 text encoder runs (``--text-encoder``): on the host, as diffusers runs it,
+# or sharded on the mesh with the experts (``shard_pipeline(..., text_encoder=True)``).
+TEXT_ENCODER_PLACES = ("host", "mesh")
+
+
+def add_text_encoder(ap: argparse.ArgumentParser, help: str = "") -> None:
+    """``--text-encoder host|mesh``: where the pipeline's UMT5 text encoder runs."""
+    ap.add_argument("--text-encoder", default="host", choices=list(TEXT_ENCODER_PLACES),
+                    help=help or "mesh: the UMT5 text encoder sharded on the mesh with the experts (Megatron TP); "
+                                 "host: on the host, as diffusers runs it (default)")
+
+
 def add_dtype(ap: argparse.ArgumentParser, default: str | None, help: str = "") -> None:
     ap.add_argument("--dtype", default=default, type=dtype, choices=DTYPES, metavar="{" + ",".join(DTYPES) + "}",
                     help=help or f"compute dtype (also accepted: {', '.join(a for a in DTYPE_ALIASES if a not in DTYPES)})")

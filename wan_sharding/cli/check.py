@@ -12,7 +12,9 @@ from ..jobs.pcc import PCC_THRESHOLDS, grade
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
 from ..options import CPU_BACKENDS, EXECUTING_BACKENDS
-from .args import add_cfg, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan, preset, stack_missing
+from . import text_encoder
+from .args import (add_cfg, add_component, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan,
+                   add_text_encoder, preset, stack_missing)
 from .dryrun import dry_run
 from .validate import UsageError, apply_plan, binding_mesh, cfg_plan, check_launch, check_length, check_rope_length
 
@@ -22,6 +24,10 @@ CFG_MESHES = ("2x4", "8x4")  # --cfg 2: the presets with an even SP axis to cut 
 
 def _validate_check(args: argparse.Namespace) -> None:
     from ..models import config_for
+
+    text_encoder.validate_check(args)  # before the DiT's defaults fill in what was not given
+    args.variant = args.variant or "t2v-a14b"
+    args.lengths = args.lengths or ["aligned", "padded"]
 
     if args.cfg == 2:
         if args.plan is not None:
@@ -44,7 +50,9 @@ def _check(args: argparse.Namespace) -> int:
         print(f"plan: {args.plan.name}")
     if stack_missing(args.backends):
         return 1
-    cases = [Case(args.variant, length, args.dtype, args.padding, "+".join(args.patches)) for length in args.lengths]
+    cases = [] if text_encoder.encoder_only(args) else [
+        Case(args.variant, length, args.dtype, args.padding, "+".join(args.patches)) for length in args.lengths]
+    cases += text_encoder.check_cases(args)  # the UMT5 encoder's rows (--component text-encoder, --text-encoder mesh)
     rows: list[dict[str, Any]] = []
     failed = False
     start = time.perf_counter()
@@ -54,9 +62,10 @@ def _check(args: argparse.Namespace) -> int:
             label = f"{mesh}-cfg2" if plan is not None and plan.cfg_axes else mesh
             for r in run_in_subprocess(backend, label, cases, plan=plan, distributed=args.distributed):
                 failed |= not r["ok"]
+                header = not rows or rows[-1]["component"] != r["component"]
                 rows.append(r)
                 if not args.json:
-                    _print_row(r, header=len(rows) == 1)
+                    (text_encoder.print_row if r["component"] == text_encoder.COMPONENT else _print_row)(r, header)
     if args.json:
         print(json.dumps({"results": rows, "ok": not failed}, indent=1))
     else:
@@ -84,11 +93,14 @@ def _specs(args: argparse.Namespace) -> int:
     from ..models import build_dit
     from ..specs import shard_dit_specs
 
-    dit = build_dit(args.variant, args.size, device="meta")
     mesh = cfg_plan(args.mesh, 2, None).mesh() if args.cfg == 2 else args.mesh  # named e.g. 8x4-cfg2
-    specs = shard_dit_specs(dit, mesh)  # cfg: the same TP split in each group, whole across the groups
+    if text_encoder.encoder_only(args):  # UMT5's specs on the same mesh rules
+        specs = text_encoder.specs(args.size, mesh)
+    else:
+        specs = shard_dit_specs(build_dit(args.variant, args.size, device="meta"), mesh)  # cfg: TP split in each group
     if args.json:
-        print(json.dumps({"mesh": mesh if isinstance(mesh, str) else mesh.name, "variant": args.variant,
+        print(json.dumps({"mesh": mesh if isinstance(mesh, str) else mesh.name, "component": args.component,
+                          "variant": args.variant,
                           "counts": specs.counts(), "cfg": args.cfg,
                           "specs": {n: list(s) for n, s in specs.by_name().items()}}, indent=1))
     else:
@@ -125,14 +137,17 @@ def add_subcommands(sub: Any) -> None:
     check = sub.add_parser("check", help="PCC of the sharded tiny DiT vs unsharded (the default job)")
     check.add_argument("--meshes", nargs="+", default=None, type=preset, choices=list(PRESET_TABLE),
                        metavar="MESH", help=f"mesh presets (default {' '.join(DEFAULT_MESHES)}, or the plan's)")
+    add_component(check, ("dit", text_encoder.COMPONENT))
+    add_text_encoder(check, help="mesh: also check the UMT5 text encoder sharded on each mesh (its rows after the "
+                                 "DiT's); host: the DiT only (default)")
     add_cfg(check)
     add_plan(check)
     check.add_argument("--backends", nargs="+", default=list(CPU_BACKENDS), choices=list(EXECUTING_BACKENDS),
                        help=f"default {' '.join(CPU_BACKENDS)} (CPU virtual devices); tt runs on Tenstorrent "
                             "devices and needs Tenstorrent's stack")
-    check.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)
-    check.add_argument("--lengths", nargs="+", default=["aligned", "padded"], type=check_length(tuple(CASE_LATENTS)),
-                       help="'aligned' (256 tokens), 'padded' (105 tokens) or a latent shape F,H,W")
+    check.add_argument("--variant", default=None, choices=VARIANTS, help="the DiT's variant (default t2v-a14b)")
+    check.add_argument("--lengths", nargs="+", default=None, type=check_length(tuple(CASE_LATENTS)),
+                       help="'aligned' (256 tokens), 'padded' (105 tokens) or a latent shape F,H,W (default both)")
     add_dtype(check, "fp32")
     add_padding(check, None)
     add_patches(check)
@@ -141,6 +156,7 @@ def add_subcommands(sub: Any) -> None:
     check.set_defaults(func=_check, validate=_validate_check)
 
     specs = sub.add_parser("specs", help="print the partition spec of every parameter")
+    add_component(specs, ("dit", text_encoder.COMPONENT))
     add_mesh(specs, "8x4")
     add_cfg(specs)
     specs.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..compile import (EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, compile_reports, format_report,
                        latent_for, report_exit_code, sysdesc)
@@ -24,11 +24,12 @@ from ..compile.composites import COMPOSITE_SETS, DEFAULT_COMPOSITES
 from ..compile.request import FRONTENDS
 from ..models import RESOLUTIONS, VARIANTS
 from ..workers import atomic_write
-
-DEFAULT_ARCH = "wormhole_b0"
-from .args import add_cfg, add_dtype, add_multihost, add_padding, add_patches, add_plan
+from . import text_encoder
+from .args import add_cfg, add_component, add_dtype, add_multihost, add_padding, add_patches, add_plan
 from .validate import (apply_plan, binding_mesh, check_binding, compile_options, latent, output_dir, output_file,
                        positive_float, positive_int)
+
+DEFAULT_ARCH = "wormhole_b0"
 
 
 def _validate_sysdesc(args: argparse.Namespace) -> None:
@@ -67,6 +68,7 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
 def _validate_compile(args: argparse.Namespace) -> None:
     from ..systems import rank_binding
 
+    text_encoder.validate_compile(args)
     apply_plan(args, binding_mesh(args, "8x4"))
     args.rank_binding = args.rank_binding or (args.plan.rank_binding if args.plan is not None else None) or None
     if args.rank_binding:
@@ -79,31 +81,43 @@ def _validate_compile(args: argparse.Namespace) -> None:
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     _validate_compile(args)
-    t0 = time.perf_counter()
-    try:
-        latent = latent_for(args.resolution, args.latent)
-        out = Path(args.out) if args.out else None
-        blocks = args.blocks
-        fields = dict(
-            variant=args.variant, latent=latent, blocks=blocks, size=args.size,
-            anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
-            frontend=args.frontend, patches=tuple(args.patches),
-            composites="none" if args.no_fused_sdpa else args.composites, compile_options=args.compile_options,
-            mark_arguments=not args.no_argument_marks,
-            resolution=args.resolution if args.latent is None else None,
-            out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
-        )
-        if args.plan is not None and args.plan.cfg_axes:
-            # CFG parallel: one program with cond + uncond rows (2-D mesh), or the group's program (3-D)
-            from ..compile.cfg import compile_request
+    # the UMT5 text encoder: its own request (its report and per-layer bill come with it)
+    return _report(args, text_encoder.compile_report if text_encoder.encoder_only(args) else _dit_report)
 
-            fields.pop("batch")
-            req = compile_request(args.plan, args.batch, **fields).validate()
-        else:
-            req = (CompileRequest.for_plan(args.plan, **fields) if args.plan is not None
-                   else CompileRequest(mesh=args.mesh, padding=args.padding, **fields)).validate()
-        report = compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose,
-                                 rank_binding=args.rank_binding)[0]
+
+def _dit_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
+    """The DiT's request from the options, compiled with its twins: its report."""
+    latent = latent_for(args.resolution, args.latent)
+    blocks = args.blocks
+    fields = dict(
+        variant=args.variant, latent=latent, blocks=blocks, size=args.size,
+        anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
+        frontend=args.frontend, patches=tuple(args.patches),
+        composites="none" if args.no_fused_sdpa else args.composites, compile_options=args.compile_options,
+        mark_arguments=not args.no_argument_marks,
+        resolution=args.resolution if args.latent is None else None,
+        out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
+    )
+    if args.plan is not None and args.plan.cfg_axes:
+        # CFG parallel: one program with cond + uncond rows (2-D mesh), or the group's program (3-D)
+        from ..compile.cfg import compile_request
+
+        fields.pop("batch")
+        req = compile_request(args.plan, args.batch, **fields).validate()
+    else:
+        req = (CompileRequest.for_plan(args.plan, **fields) if args.plan is not None
+               else CompileRequest(mesh=args.mesh, padding=args.padding, **fields)).validate()
+    return compile_reports([req], args.arch, timeout=args.timeout, work_dir=out, verbose=args.verbose,
+                           rank_binding=args.rank_binding)[0]
+
+
+def _report(args: argparse.Namespace, make: Callable[[argparse.Namespace, Path | None], dict[str, Any]]) -> int:
+    """``make(args, out)`` (a component's report), written to ``--out`` and printed (``--json``: one
+    JSON object); a request or compile that cannot be set up is one line and exit 2."""
+    t0 = time.perf_counter()
+    out = Path(args.out) if args.out else None
+    try:
+        report = make(args, out)
     except (CompileError, ValueError) as e:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
@@ -140,13 +154,20 @@ def add_subcommands(sub: Any) -> None:
         description="Compile the sharded Wan DiT through tt-mlir without hardware, print the TTNN op "
                     "histogram and the per-block collective bill, and check the bill against the design "
                     "and the per-device token dims for tile alignment. Exit 1 when a check fails.")
+    add_component(c, ("dit", text_encoder.COMPONENT))
     c.add_argument("--mesh", default=None, help=f"mesh preset: {', '.join(PRESETS)} (default 8x4, or the plan's)")
     add_plan(c)
     add_cfg(c)
-    c.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
+    c.add_argument("--resolution", choices=list(RESOLUTIONS), default=None, help="the DiT's latent (default 480p)")
     c.add_argument("--latent", default=None, type=latent, help="latent F,H,W instead of a resolution, e.g. 21,60,104")
-    c.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")
-    c.add_argument("--blocks", type=positive_int, default=None, help="transformer blocks (default: all of the variant's)")
+    c.add_argument("--variant", choices=list(VARIANTS), default=None, help="the DiT's variant (default t2v-a14b)")
+    c.add_argument("--blocks", type=positive_int, default=None,
+                   help="transformer blocks (the text encoder: layers; default: all of the model's)")
+    c.add_argument("--tokens", type=positive_int, default=None,
+                   help="the text encoder's prompt tokens (default 512, what the Wan pipelines pass; 16 with --size tiny)")
+    c.add_argument("--vocab", type=positive_int, default=None,
+                   help="the text encoder's vocabulary (default its own, 256384): smaller for a torch-xla trace, which "
+                        "holds the replicated embedding once per virtual device in host memory")
     c.add_argument("--size", choices=["full", "tiny"], default="full", help="real widths or the tiny test config")
     c.add_argument("--arch", choices=archs, default=None,
                    help=f"chip architecture (default {DEFAULT_ARCH}, or the rank binding's)")

@@ -15,7 +15,9 @@ from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
 from ..options import EXECUTING_BACKENDS
-from .args import add_cache, add_cfg, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan, stack_missing
+from . import text_encoder
+from .args import (add_cache, add_cfg, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan,
+                   add_text_encoder, stack_missing)
 from .dryrun import dry_run
 from .validate import apply_plan, binding_mesh, check_generate, check_launch, check_profile
 
@@ -34,6 +36,7 @@ def _validate_generate(args: argparse.Namespace) -> None:
     apply_plan(args, binding_mesh(args, "2x4"))
     check_generate(args)
     check_video_format(args.video_format)
+    text_encoder.validate_pipeline(args)
     check_launch(args, [args.backend])
 
 
@@ -82,6 +85,7 @@ def add_pipeline_source(ap: argparse.ArgumentParser) -> None:
                     help="the tiny pipeline's variant (ignored with --model: the checkpoint decides)")
     ap.add_argument("--model", help="a local diffusers Wan 2.2 checkpoint directory (needs transformers)")
     add_multihost(ap)
+    add_text_encoder(ap)
 
 
 def add_subcommands(sub: Any) -> None:

@@ -34,7 +34,7 @@ from ..planner.report import EXIT_ERROR, format_report, plan_exit_code
 from ..plan import LAYOUTS
 from ..mesh import MeshError, parse_mesh_shape
 from ..workers import atomic_path
-from .args import add_multihost
+from .args import add_multihost, add_text_encoder
 from .validate import UsageError, check_binding, latent, output_dir, output_file, positive_float, positive_int
 
 DEFAULT_MESH, DEFAULT_ARCH = "8x4", "wormhole_b0"
@@ -70,7 +70,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                latent_for(None, args.latent) if args.latent else None, top=args.top,
                                compile=not args.no_compile, attention=args.attention, topology=args.topology,
                                work_dir=args.out, timeout=args.timeout, keep=keep, cfg_split=args.cfg_split,
-                               progress=progress, rank_binding_name=args.rank_binding)
+                               progress=progress, rank_binding_name=args.rank_binding,
+                               text_encoder=args.text_encoder == "mesh")
     except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
@@ -132,6 +133,8 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--padding", choices=list(PADDING_NAMES), default=None,
                    help="only plans with this padding mode (SP 1 plans, which need none, stay)")
     p.add_argument("--fsdp", choices=["on", "off"], default=None, help="only plans with (on) or without (off) FSDP")
+    add_text_encoder(p, help="mesh: the pipeline's UMT5 text encoder is sharded on the mesh too (its weights count in "
+                             "each chip's memory; a plan it cannot be sharded on is illegal); host (default): it is not")
     p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
     p.add_argument("--cfg-split", action="store_true",
                    help="also rank CFG splits (cond and uncond at once on the two halves of an axis, a plan with "

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..jobs.requests import check_video_format
+from . import text_encoder
 from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
 from .dryrun import dry_run
 from .pipeline import add_pipeline_source, worker_params
@@ -38,6 +39,7 @@ def check_serve(args: argparse.Namespace) -> None:
     if args.model is not None:
         model_dir(args.model)
     check_video(args.frames, args.height, args.width, args.variant, args.model)
+    text_encoder.validate_pipeline(args)
     missing = mp4_encoder_missing()
     if missing:  # a request gets MP4 unless it asks for a GIF
         raise UsageError(f"{missing}: the server writes MP4 videos")
@@ -171,6 +173,9 @@ def add_subcommands(sub: Any) -> None:
                    help="jobs database and videos; a server restarted on it serves them again (default results/serve)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                                      "(default: $WAN_SHARDING_API_KEY)")
+    s.add_argument("--prompt-cache-mb", type=positive_float, default=None, metavar="MB",
+                   help="memory for the worker's prompt embeddings, each prompt encoded once and reused for a repeated "
+                        "prompt (default 256: 64 full-size prompts; docs/serving.md)")
     s.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                    help="split the mesh into N equal sub-meshes, one resident worker each, serving jobs side by side "
                         "(default 1)")

@@ -149,6 +149,19 @@ def per_block_bill(shallow: TTNNModule, deep: TTNNModule, shallow_blocks: int, d
                      irregular)
 
 
+def base_depth(blocks: int) -> int:
+    """The shallow depth compiled next to ``blocks`` for the per-block difference."""
+    return 1 if blocks > 1 else 2
+
+
+def no_bill(blocks: int, base: Any, unit: str = "block") -> dict[str, Any]:
+    """A report's bill fields when the shallow twin (``base``, a CompileResult or ``None``) of a
+    ``blocks``-deep compile did not compile: no bill, and why."""
+    why = "was not run" if base is None else f"failed: {base.error}"
+    return {"per_block": {}, "bill_ok": False,
+            "bill_problems": [f"no per-{unit} bill: the {base_depth(blocks)}-{unit} compile {why}"]}
+
+
 def bill_from_files(shallow_path: str | Path, deep_path: str | Path, shallow_blocks: int, deep_blocks: int,
                     mesh: MeshSpec | str | None = None) -> BlockBill:
     """:func:`per_block_bill` on two exported TTNN files."""

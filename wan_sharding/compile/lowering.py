@@ -37,13 +37,8 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
     """Build, shard, lower and compile one request in this process. Worker side only: imports
     JAX, which must already see the tt devices (``TT_COMPILE_ONLY_SYSTEM_DESC`` set at start)."""
     import jax
-    import jax.numpy as jnp
 
     from ..backends.jax import JaxBackend
-    from ..compose import shard_dit
-    from ..models import build_dit
-    from ..patches.prompt_kv import prompt_cache, prompt_state_like
-    from .composites import HardwareComposites
 
     t0 = time.perf_counter()
     mesh = req.mesh_spec()
@@ -53,20 +48,59 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
             f"JAX platform is {devices[0].platform!r}, not 'tt': TT_COMPILE_ONLY_SYSTEM_DESC was not honoured")
     if len(devices) < mesh.num_devices:
         raise CompileError(f"mesh {mesh.name} needs {mesh.num_devices} devices; the descriptor gives {len(devices)}")
+    if req.component == "text-encoder":
+        from .text_encoder import encoder_mesh, jax_encoder
 
+        backend = JaxBackend(encoder_mesh(mesh), devices=list(devices[: mesh.num_devices]))
+        model, handle, inputs, fused, info = jax_encoder(req, backend)
+    else:
+        backend = JaxBackend(mesh, devices=list(devices[: mesh.num_devices]))
+        model, handle, inputs, fused, info = _jax_dit(req, backend)
+    try:
+        t1 = time.perf_counter()
+        forward, marked = _marked_forward(backend.jax_forward(model, fused_sdpa=fused), model, req, inputs)
+        lowered = jax.jit(forward).lower(handle.placed, (), inputs)
+        t2 = time.perf_counter()
+        out_dir = Path(req.out_dir or tempfile.mkdtemp(prefix="wan_ir_"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        result: dict[str, Any] = {
+            "out_dir": str(out_dir), "lower_seconds": round(t2 - t1, 3), **info(),
+            "sdpa_fused": fused.fused if fused is not None else 0,
+            "sdpa_plain": fused.plain if fused is not None else None,
+            "composites_marked": fused.counts() if fused is not None else {},
+            "arguments_marked": marked,
+        }
+        _compile_with_options(lambda o: lowered.compile(compiler_options={"export_path": str(out_dir), **o}),
+                             req, result)
+        t3 = time.perf_counter()
+        result.update(compile_seconds=round(t3 - t2, 3), total_seconds=round(t3 - t0, 3))
+        return _with_irs(result, out_dir)
+    finally:
+        handle.remove()
+
+
+def _jax_dit(req: CompileRequest, backend: Any) -> tuple:
+    """The DiT of ``req`` on the meta device, sharded the ordinary way on ``backend`` (abstract
+    weights), its abstract inputs, the composites mode and what the SP hooks recorded (after the
+    trace): ``(dit, handle, inputs, composites, info)``."""
+    import jax
+    import jax.numpy as jnp
+
+    from ..compose import shard_dit
+    from ..models import build_dit
+    from ..patches.prompt_kv import prompt_cache, prompt_state_like
+    from .composites import HardwareComposites
+
+    mesh = backend.mesh
     dtype = torch_dtype(req.dtype)
     overrides = {} if req.blocks is None else {"num_layers": req.blocks}
     dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides)
     # The ordinary composition; on a meta model the jax backend's placement is abstract (shapes and
     # shardings, no weights). With a plan, its roles, FSDP, layout and padding apply.
-    backend = JaxBackend(mesh, devices=list(devices[: mesh.num_devices]))
     handle = shard_dit(dit, req.plan if req.plan is not None else mesh, backend=backend, padding=req.padding,
                        patches=req.patches or (), anchor=req.anchor)
     sp = handle.sp
     try:
-        # Each weight keeps the dtype the meta model has (bf16, fp32 where diffusers keeps fp32);
-        # float64 rope tables become float32.
-        state = handle.placed
         rep = backend.sharding(())
         cfg = config_for(req.variant, req.size)
         act = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[req.dtype]
@@ -86,28 +120,13 @@ def compile_in_process(req: CompileRequest) -> dict[str, Any]:
             inputs["encoder_hidden_states"] = prompt_state_like(
                 dit, req.batch, PROMPT_TOKENS[req.size], mesh,
                 lambda shape, spec: jax.ShapeDtypeStruct(shape, act, sharding=backend.sharding(spec)))
-        fused = HardwareComposites(backend, dit, req.composites, split_tokens=lambda: sp.state.padded_len) if req.composites != "none" else None
-        t1 = time.perf_counter()
-        forward, marked = _marked_forward(backend.jax_forward(dit, fused_sdpa=fused), dit, req, inputs)
-        lowered = jax.jit(forward).lower(state, (), inputs)
-        t2 = time.perf_counter()
-        out_dir = Path(req.out_dir or tempfile.mkdtemp(prefix="wan_ir_"))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        result: dict[str, Any] = {
-            "out_dir": str(out_dir), "lower_seconds": round(t2 - t1, 3), "sp_points": sp.points,
-            "tokens": sp.state.valid_len, "padded_tokens": sp.state.padded_len,
-            "sdpa_fused": fused.fused if fused is not None else 0,
-            "sdpa_plain": fused.plain if fused is not None else None,
-            "composites_marked": fused.counts() if fused is not None else {},
-            "arguments_marked": marked,
-        }
-        _compile_with_options(lambda o: lowered.compile(compiler_options={"export_path": str(out_dir), **o}),
-                              req, result)
-        t3 = time.perf_counter()
-        result.update(compile_seconds=round(t3 - t2, 3), total_seconds=round(t3 - t0, 3))
-        return _with_irs(result, out_dir)
-    finally:
+        fused = (HardwareComposites(backend, dit, req.composites, split_tokens=lambda: sp.state.padded_len)
+                 if req.composites != "none" else None)
+    except BaseException:
         handle.remove()
+        raise
+    info = lambda: {"sp_points": sp.points, "tokens": sp.state.valid_len, "padded_tokens": sp.state.padded_len}  # noqa: E731
+    return dit, handle, inputs, fused, info
 
 
 def _marked_forward(forward: Any, dit: Any, req: CompileRequest, inputs: dict[str, Any]) -> tuple[Any, dict[str, int]]:

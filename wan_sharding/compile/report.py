@@ -28,17 +28,13 @@ from ..mesh import TILE
 from ..models import config_for
 from . import bill as ir_bill
 from .causes import per_block_causes
+from . import text_encoder
 from .cfg import host_cuts_for, request_cfg, step_figures
 from .request import CompileRequest, CompileResult
 from .runner import compile_many
 from .ttnn_ir import REPORTED_OPS, TTNNModule, format_bytes, ttir_attention
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR = 0, 1, 2
-
-
-def base_depth(blocks: int) -> int:
-    """The shallow depth compiled next to ``blocks`` for the per-block difference."""
-    return 1 if blocks > 1 else 2
 
 
 def build_report(main: CompileResult, base: CompileResult | None, rank_binding: str | None = None) -> dict[str, Any]:
@@ -103,9 +99,7 @@ def build_report(main: CompileResult, base: CompileResult | None, rank_binding: 
         tile_aligned=tiles["aligned"], token_dims=tiles["token_dims"], misaligned=tiles["misaligned"],
     )
     if base is None or not base.ok:
-        report.update(per_block={}, bill_ok=False,
-                      bill_problems=[f"no per-block bill: the {base_depth(req.num_blocks)}-block compile "
-                                     f"{'was not run' if base is None else 'failed: ' + str(base.error)}"])
+        report.update(ir_bill.no_bill(req.num_blocks, base))
         return report
     shallow = TTNNModule.from_file(base.ttnn_path)
     bill = ir_bill.per_block_bill(shallow, module, base.request.num_blocks, req.num_blocks, mesh)
@@ -164,7 +158,8 @@ def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0
     A padded request also gets the same two depths compiled unpadded (unless ``padding_cost`` is
     False), so the report can name the ops that are there only because of padding
     (``padding_ops_per_block`` / ``_per_forward``). ``rank_binding``: the multi-host system every
-    request's mesh is (:func:`build_report`).
+    request's mesh is (:func:`build_report`). A text encoder's request (``component``
+    ``"text-encoder"``) gets its own report (:func:`.text_encoder.build_report`: the bill per layer).
     """
     def twin(r: CompileRequest, suffix: str, **changes: Any) -> CompileRequest:
         out = None if r.out_dir is None else str(Path(r.out_dir).with_name(Path(r.out_dir).name + suffix))
@@ -174,8 +169,8 @@ def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0
 
     groups = []
     for r in requests:
-        group = [r, twin(r, "_base", blocks=base_depth(r.num_blocks))]
-        if r.padding != "none" and padding_cost:
+        group = [r, twin(r, "_base", blocks=ir_bill.base_depth(r.num_blocks))]
+        if r.component == "dit" and r.padding != "none" and padding_cost:
             group += [twin(g, "_unpadded", padding="none") for g in group]
         groups.append(group)
     flat = [g for group in groups for g in group]
@@ -183,6 +178,9 @@ def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0
     reports = []
     for r, group in zip(requests, groups):
         res = [next(results) for _ in group]
+        if r.component == text_encoder.COMPONENT:  # the UMT5 encoder: its own bill, per layer
+            reports.append(text_encoder.build_report(res[0], res[1]))
+            continue
         report = build_report(res[0], res[1], rank_binding)
         if len(res) == 4:
             report.update(padding_report(res[:2], res[2:]))
@@ -211,9 +209,12 @@ def padding_report(padded: Sequence[CompileResult], unpadded: Sequence[CompileRe
 
 def report_exit_code(report: dict[str, Any]) -> int:
     """:data:`EXIT_ERROR` when the compile failed, :data:`EXIT_CHECK_FAILED` when the bill, the
-    tile check or the fused attention's Q split failed, else :data:`EXIT_OK`."""
+    tile check or the fused attention's Q split failed, else :data:`EXIT_OK` (a text encoder's
+    report: its per-layer bill)."""
     if not report["ok"]:
         return EXIT_ERROR
+    if report.get("component") == text_encoder.COMPONENT:
+        return EXIT_OK if report["bill_ok"] else EXIT_CHECK_FAILED
     q_split = (report.get("sdpa") or {}).get("q_split", True)
     return EXIT_OK if report["bill_ok"] and report["tile_aligned"] and q_split else EXIT_CHECK_FAILED
 
@@ -243,6 +244,19 @@ def argument_line(report: dict[str, Any]) -> str:
     if report.get("argument_types") is not None:
         head += f"; tt-mlir compiled them as {fmt(report['argument_types'])}"
     return head
+
+
+def failure_lines(report: dict[str, Any]) -> list[str]:
+    """What tt-mlir said when a compile failed: the error and the first diagnostics."""
+    # MLIR call-site locations run to kilobytes; the head names the op and the tail the error.
+    return [f"COMPILE FAILED: {report.get('error')}",
+            *[f"  {d if len(d) < 400 else d[:200] + ' ... ' + d[-190:]}" for d in report.get("diagnostics", [])[:5]]]
+
+
+def compile_lines(report: dict[str, Any]) -> list[str]:
+    """How long the compile took, its memory, and where its TTNN IR is."""
+    return [f"compile: {report['compile_seconds']:.1f} s tt-mlir, {report['lower_seconds']:.1f} s trace+lower, "
+            f"peak RSS {report['rss_mb']:.0f} MB", f"TTNN IR: {report['ttnn_path']}"]
 
 
 def ops_line(report: dict[str, Any]) -> str | None:
@@ -284,6 +298,8 @@ def step_lines(report: dict[str, Any]) -> list[str]:
 
 def format_report(report: dict[str, Any], top: int = 25) -> str:
     """Human-readable text for one report."""
+    if report.get("component") == text_encoder.COMPONENT:
+        return format_encoder_report(report)
     lines = [
         f"{report['variant']} ({report['size']}), {report['blocks']} blocks, mesh {report['mesh']} "
         f"(SP {report['sp']} x TP {report['tp']}), {report['resolution']} latent {tuple(report['latent'])}, "
@@ -298,13 +314,8 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
                      f"{cfg['batch']} ({cfg['branch_batch']} per branch); a step is 1 forward (both branches at once)")
     lines += composite_lines(report)
     if not report["ok"]:
-        lines.append(f"COMPILE FAILED: {report.get('error')}")
-        # MLIR call-site locations run to kilobytes; the head names the op and the tail the error.
-        lines += [f"  {d if len(d) < 400 else d[:200] + ' ... ' + d[-190:]}" for d in report.get("diagnostics", [])[:5]]
-        return "\n".join(lines)
-    lines.append(f"compile: {report['compile_seconds']:.1f} s tt-mlir, {report['lower_seconds']:.1f} s trace+lower, "
-                 f"peak RSS {report['rss_mb']:.0f} MB")
-    lines.append(f"TTNN IR: {report['ttnn_path']}")
+        return "\n".join(lines + failure_lines(report))
+    lines += compile_lines(report)
     lines.append("")
     lines.append(f"TTNN op histogram (top {top}, deallocations left out):")
     ops = list(report["ops"].items())
@@ -369,6 +380,41 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
         lines += [f"  {m}" for m in report["misaligned"][:5]]
     else:
         lines.append("tile alignment: OK (SP = 1: nothing is split over the token dim)")
+    return "\n".join(lines)
+
+
+def format_encoder_report(report: dict[str, Any], top: int = 15) -> str:
+    """Human-readable text for one text encoder report (:func:`.text_encoder.build_report`)."""
+    vocab = "" if report.get("vocab") is None else f", vocab cut to {report['vocab']} (the lookup's table only)"
+    lines = [f"text encoder UMT5 ({report['size']}{vocab}), {report['blocks']} layers, mesh {report['mesh']} "
+             f"(TP {report['tp']}; the encoder has no SP), {report['batch']} x {report['tokens']} prompt tokens, "
+             f"{report['dtype']}, frontend {report['frontend']}"]
+    lines += composite_lines(report)
+    if not report["ok"]:
+        return "\n".join(lines + failure_lines(report))
+    lines += compile_lines(report)
+    lines.append(f"TTNN op histogram (top {top}, deallocations left out): "
+                 + ", ".join(f"{k} {v}" for k, v in list(report["ops"].items())[:top]))
+    lines.append("collectives in the whole graph (per device):")
+    lines += [f"  {r['count']:>4} x {r['kind']:<15} over {str(r['axis']):<4} {r['size']:<6} {r['payload']:<24} "
+              f"{format_bytes(r['bytes']):>10}" for r in report["collectives"]]
+    if report.get("per_block_entries") is not None:
+        lines.append(f"per-layer collective bill (difference of the {report['base_blocks']}- and "
+                     f"{report['blocks']}-layer graphs):")
+        lines += [f"  {e['count']:>4} x {e['kind']:<12} over {str(e['axis']):<4} {e['size']:<6} {e['payload']:<24} "
+                  f"{format_bytes(e['bytes']):>10} per device" for e in report["per_block_entries"]]
+        lines.append(f"TTNN ops per layer (bookkeeping left out): {report['runtime_ops_per_block']:g} in the step's "
+                     f"program, {report['const_eval_ops_per_block']:g} in const-eval; const-eval in all: "
+                     f"{report['const_eval_ops']} ops, run once when the program is loaded")
+    design = ", ".join(f"{n} {k.replace('/', ' ')}" for k, n in report["design"].items()) or "no collective (TP 1)"
+    lines.append(f"design per layer: {design} (after the attention's o and the FFN's wo), each "
+                 f"{format_bytes(report['design_reduce_bytes'])} per device; none once per forward")
+    attention = report.get("sdpa")
+    if attention is not None:
+        lines.append(f"fused attention: {attention['count']} ttir.scaled_dot_product_attention "
+                     f"({attention.get('traced_fused')} traced fused, {attention.get('traced_plain')} plain)")
+    lines.append("bill: OK (matches the design)" if report["bill_ok"] else "bill: DIFFERS from the design")
+    lines += [f"  {p}" for p in report.get("bill_problems", [])]
     return "\n".join(lines)
 
 

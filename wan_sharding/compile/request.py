@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..mesh import MeshError, MeshSpec, mesh_from_preset
-from ..models import FULL_CONFIGS, RESOLUTIONS, LatentShape, config_for
+from ..models import FULL_CONFIGS, PROMPT_TOKENS, RESOLUTIONS, LatentShape, config_for
 from ..options import DEFAULT_PADDING, DTYPES, PADDING_NAMES, dtype_name
 from ..plan import ShardingPlan
 from ..systems import tt_mlir_rejects
@@ -30,6 +30,10 @@ TIMESTEP_DTYPES = ("float32", "bfloat16")
 # - "torch-xla": torch-xla SPMD's lowering, the graph Tenstorrent hardware compiles (GSPMD shardings
 #   converted to Shardy); needs real weights in host memory, so keep full-width traces short.
 FRONTENDS = ("torchax", "torch-xla")
+# What a request compiles: the DiT (every field applies), or the UMT5 text encoder
+# (``wan_sharding.compile.text_encoder``: ``blocks`` counts its layers, ``prompt_tokens`` its input;
+# latent, padding, anchor, variant, timestep dtype and patches do not apply).
+COMPILED_COMPONENTS = ("dit", "text-encoder")
 
 
 class CompileError(RuntimeError):
@@ -85,6 +89,13 @@ class CompileRequest:
         cfg_plan: the CFG-parallel plan this request compiles for, when the request was made from
             one (:func:`.cfg.compile_request`): ``plan`` itself (one program) or its group plan
             (per group). The report then counts a denoising step as one forward, not two.
+        component: ``"dit"`` or ``"text-encoder"`` (:data:`COMPILED_COMPONENTS`): the UMT5 encoder,
+            Megatron TP on the mesh's TP axis; ``blocks`` then counts its layers.
+        prompt_tokens: the text encoder's input length (``None``: 512 full, 16 tiny, what the
+            pipelines and the tiny DiTs take).
+        vocab: the text encoder's vocabulary (``None``: its config's, 256384 full). The torch-xla
+            frontend holds the replicated embedding once per virtual device in host memory
+            (:meth:`xla_host_bytes`); a smaller table changes only the lookup's table, not a collective.
     """
 
     variant: str = "t2v-a14b"
@@ -107,6 +118,9 @@ class CompileRequest:
     mark_arguments: bool = True
     plan: ShardingPlan | None = None
     cfg_plan: ShardingPlan | None = None
+    component: str = "dit"
+    prompt_tokens: int | None = None
+    vocab: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patches", tuple(self.patches))
@@ -129,6 +143,10 @@ class CompileRequest:
 
     def validate(self) -> "CompileRequest":
         """Check every field before a subprocess is started; returns ``self``."""
+        if self.component not in COMPILED_COMPONENTS:
+            raise CompileError(f"unknown component {self.component!r}; choose one of {', '.join(COMPILED_COMPONENTS)}")
+        if self.component == "text-encoder":
+            return self._validate_text_encoder()
         config_for(self.variant, self.size)  # unknown variant / size -> ValueError
         if self.plan is not None:
             if not isinstance(self.plan, ShardingPlan):
@@ -150,14 +168,7 @@ class CompileRequest:
             if self.plan.cfg_axes and self.batch % 2:
                 raise CompileError(f"plan {self.plan.name!r} splits the batch over its cfg axis: a batch of cond "
                                    f"and uncond rows must be even, got {self.batch}")
-        else:
-            try:
-                mesh_from_preset(self.mesh)
-            except MeshError as e:
-                raise CompileError(str(e)) from None
-        rejected = tt_mlir_rejects(self.mesh_spec().shape)
-        if rejected:
-            raise CompileError(rejected)
+        self._check_mesh()
         if len(self.latent) != 3 or any(int(v) < 1 for v in self.latent):
             raise CompileError(f"latent must be (frames, height, width) with positive sizes, got {self.latent}")
         patch = FULL_CONFIGS[self.variant]["patch_size"]
@@ -167,12 +178,32 @@ class CompileRequest:
             raise CompileError(f"blocks must be >= 1, got {self.blocks}")
         if self.padding not in PADDING_NAMES:
             raise CompileError(f"unknown padding {self.padding!r}; choose one of {sorted(PADDING_NAMES)}")
-        if self.dtype not in DTYPES:
-            raise CompileError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
         if self.timestep_dtype not in TIMESTEP_DTYPES:
             raise CompileError(f"unknown timestep dtype {self.timestep_dtype!r}; choose one of {TIMESTEP_DTYPES}")
+        from ..patches import PATCHES
+
+        unknown = [p for p in self.patches if p not in PATCHES]
+        if unknown or len(set(self.patches)) != len(self.patches):
+            raise CompileError(f"patches must be distinct names from {', '.join(PATCHES)}, got {list(self.patches)}")
+        return self._validate_common()
+
+    def _check_mesh(self) -> None:
+        """A known preset (a plan's mesh was checked with the plan), of a shape tt-mlir takes."""
+        if self.plan is None:
+            try:
+                mesh_from_preset(self.mesh)
+            except MeshError as e:
+                raise CompileError(str(e)) from None
+        rejected = tt_mlir_rejects(self.mesh_spec().shape)
+        if rejected:
+            raise CompileError(rejected)
+
+    def _validate_common(self) -> "CompileRequest":
+        """What every component's request must have right: batch, dtype, frontend, composites, options."""
         if self.batch < 1:
             raise CompileError(f"batch must be >= 1, got {self.batch}")
+        if self.dtype not in DTYPES:
+            raise CompileError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
         if self.frontend not in FRONTENDS:
             raise CompileError(f"unknown frontend {self.frontend!r}; choose one of {', '.join(FRONTENDS)}")
         from .composites import COMPOSITE_SETS
@@ -183,12 +214,47 @@ class CompileRequest:
             self.options()
         except ValueError as e:
             raise CompileError(str(e)) from None
-        from ..patches import PATCHES
-
-        unknown = [p for p in self.patches if p not in PATCHES]
-        if unknown or len(set(self.patches)) != len(self.patches):
-            raise CompileError(f"patches must be distinct names from {', '.join(PATCHES)}, got {list(self.patches)}")
         return self
+
+    def _validate_text_encoder(self) -> "CompileRequest":
+        """The text encoder's request: its own size, layers and prompt length; the DiT's fields that
+        mean nothing to it left at their defaults (a patch or plan given is refused, not ignored)."""
+        from ..models import text_encoder_config
+
+        text_encoder_config(self.size)  # unknown size -> ValueError
+        if self.plan is not None or self.patches:
+            raise CompileError("the text encoder compiles on a preset mesh without patches (it has no SP and none of "
+                               "the DiT's rewrites); leave --plan and --patches out with --component text-encoder")
+        self._check_mesh()
+        for name, value in (("blocks", self.blocks), ("prompt_tokens", self.prompt_tokens), ("vocab", self.vocab)):
+            if value is not None and value < 1:
+                raise CompileError(f"{name} must be >= 1, got {value}")
+        if self.frontend == "torch-xla" and self.xla_host_bytes() > host_memory_bytes() * 3 // 4:
+            vocab = self.vocab or text_encoder_config(self.size)["vocab_size"]
+            raise CompileError(
+                f"the torch-xla frontend holds the text encoder's replicated {vocab} x "
+                f"{text_encoder_config(self.size)['d_model']} embedding once per virtual device ({self.num_devices}) in "
+                f"host memory: about {self.xla_host_bytes() / 2**30:.0f} GiB here, more than 3/4 of this host's "
+                f"{host_memory_bytes() / 2**30:.0f} GiB; pass a smaller --vocab (such as 32768: only the lookup's table "
+                "shrinks, no collective changes), fewer --blocks, or use --frontend torchax (abstract weights)")
+        return self._validate_common()
+
+    def xla_host_bytes(self) -> int:
+        """Host memory a torch-xla trace of the text encoder holds: its CPU client keeps one copy of
+        each weight's shard per virtual device, beside the host copy the weights start from and the
+        whole copy a move to the device makes before the shards (the replicated embedding dominates:
+        2.1 GB in bf16 per copy at the full vocabulary), and a quarter more for what the trace adds
+        (measured peaks: 13.7 GB on 1x4 with 1 layer, 11.5 GB on 8x4 with 2 layers and vocab 8192;
+        without that quarter this count gives 12.8 and 9.3)."""
+        from ..models import text_encoder_config
+
+        cfg = text_encoder_config(self.size)
+        elem = {"bf16": 2, "fp32": 4}.get(self.dtype, 4)
+        n, tp = self.num_devices, self.mesh_spec().tp
+        inner = cfg["num_heads"] * cfg["d_kv"]
+        layer = 4 * cfg["d_model"] * inner + 3 * cfg["d_model"] * cfg["d_ff"]
+        embed = (self.vocab or cfg["vocab_size"]) * cfg["d_model"]
+        return elem * (embed * (n + 2) + self.num_blocks * layer * (n // tp + 2)) * 5 // 4
 
     def options(self) -> "CompileOptions":
         """The tt-mlir compile options of this request (hardware's when none were given)."""
@@ -202,14 +268,29 @@ class CompileRequest:
 
     @property
     def num_blocks(self) -> int:
-        return self.blocks if self.blocks is not None else config_for(self.variant, self.size)["num_layers"]
+        """Transformer blocks (the text encoder: layers) compiled."""
+        if self.blocks is not None:
+            return self.blocks
+        if self.component == "text-encoder":
+            from ..models import text_encoder_config
+
+            return text_encoder_config(self.size)["num_layers"]
+        return config_for(self.variant, self.size)["num_layers"]
 
     @property
     def tokens(self) -> int:
-        """Flat token count L (patchified latent), before padding."""
+        """Flat token count L (patchified latent), before padding; the text encoder's prompt tokens."""
+        if self.component == "text-encoder":
+            return self.prompt_tokens if self.prompt_tokens is not None else PROMPT_TOKENS[self.size]
         return LatentShape(*self.latent).tokens(tuple(config_for(self.variant, self.size)["patch_size"]))
 
     def label(self) -> str:
+        if self.component == "text-encoder":
+            extra = (("" if self.frontend == "torchax" else f" [{self.frontend}]")
+                     + ("" if self.vocab is None else f" vocab={self.vocab}")
+                     + ("" if self.composites == "hardware" else f" composites={self.composites}")
+                     + ("" if self.mark_arguments else " unmarked"))
+            return f"text-encoder/{self.size} {self.num_blocks}layers {self.mesh} {self.tokens}tok b{self.batch}{extra}"
         lat = self.resolution or "x".join(map(str, self.latent))
         extra = (("" if self.anchor else " no-anchor") + ("" if self.frontend == "torchax" else f" [{self.frontend}]")
                  + (f" +{'+'.join(self.patches)}" if self.patches else "")
@@ -240,6 +321,13 @@ class CompileRequest:
             if d.get(key) is not None:
                 d[key] = ShardingPlan.from_dict(d[key])
         return cls(**d)
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def latent_for(resolution: str | None = None, latent: str | Sequence[int] | None = None) -> tuple[int, int, int]:

@@ -307,7 +307,7 @@ CONV3D_NOTE = ("optimization level >= 1 validates every op on tt-metal's mock de
 def for_arch(req: CompileRequest, arch: str) -> CompileRequest:
     """``req`` as it can compile here for ``arch``: its options resolved (the optimization level
     lowered where level >= 1 cannot run, :func:`.options.effective_options`), the ``patchify``
-    patch added at level >= 1; each change recorded in ``notes`` with its reason."""
+    patch added to a DiT at level >= 1; each change recorded in ``notes`` with its reason."""
     from .options import effective_options
 
     options, why = effective_options(req.options(), arch, req.num_devices)
@@ -315,7 +315,7 @@ def for_arch(req: CompileRequest, arch: str) -> CompileRequest:
     patches = tuple(req.patches)
     if why and why not in notes:
         notes.append(why)
-    if options.optimization_level >= 1 and "patchify" not in patches:
+    if options.optimization_level >= 1 and "patchify" not in patches and req.component == "dit":
         patches += ("patchify",)
         notes.append(CONV3D_NOTE)
     return dataclasses.replace(req, compile_options=options.to_json(), notes=tuple(notes), patches=patches)

@@ -43,25 +43,70 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
-    import torch_xla.distributed.spmd as xs
 
     from ..backends.xla import XlaBackend
-    from ..compose import shard_dit
-    from .composites import HardwareComposites
-    from ..models import PER_TOKEN_TIMESTEPS, PROMPT_TOKENS, build_dit, config_for
-    from ..options import torch_dtype
-    from ..patches.prompt_kv import prompt_cache, prompt_state_like
     from .shardy import gspmd_to_shardy
 
     t0 = time.perf_counter()
     mesh = req.mesh_spec()
+    if req.component == "text-encoder":
+        from .text_encoder import encoder_mesh, xla_encoder
+
+        backend = XlaBackend(encoder_mesh(mesh))
+        model, handle, inputs, fused, info = xla_encoder(req, backend)
+    else:
+        backend = XlaBackend(mesh)
+        model, handle, inputs, fused, info = _xla_dit(req, backend)
+    try:
+        marks = argument_marks(model, inputs) if req.mark_arguments else None
+        t1 = time.perf_counter()
+        torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)
+        try:
+            # the marks inside the composites: a composite's operands are then the marked values
+            with torch.no_grad(), (fused if fused is not None else contextlib.nullcontext()), \
+                    (marks if marks is not None else contextlib.nullcontext()):
+                out = model(**inputs, return_dict=False)[0]
+            gspmd = xm.get_stablehlo([out])
+        finally:
+            torch_xla._XLAC._set_xla_all_numbers_special_scalars(False)
+        check_marks(marks)
+        shardy = gspmd_to_shardy(gspmd, mesh.shape, mesh.axis_names)
+        t2 = time.perf_counter()
+        out_dir = Path(req.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        workers.atomic_write(out_dir / GSPMD_FILE, gspmd)
+        workers.atomic_write(out_dir / SHARDY_FILE, shardy)
+        return {
+            "ok": True, "stablehlo_path": str(out_dir / SHARDY_FILE), "trace_seconds": round(t2 - t0, 3),
+            "build_seconds": round(t1 - t0, 3), **info(), "sdpa_fused": fused.fused if fused is not None else 0,
+            "sdpa_plain": fused.plain if fused is not None else None,
+            "composites_marked": fused.counts() if fused is not None else {},
+            "arguments_marked": dict(marks.counts) if marks is not None else {},
+            "trace_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        }
+    finally:
+        handle.remove()
+
+
+def _xla_dit(req: CompileRequest, backend: Any) -> tuple:
+    """The DiT of ``req`` with uninitialised host weights, sharded the ordinary way on ``backend``
+    (patches, specs, placement, SP hooks; with a plan, its roles, FSDP, layout and padding), its
+    inputs on the device, the composites mode and what the SP hooks recorded (after the trace):
+    ``(dit, handle, inputs, composites, info)``."""
+    import torch
+    import torch_xla.distributed.spmd as xs
+
+    from ..compose import shard_dit
+    from ..models import PER_TOKEN_TIMESTEPS, PROMPT_TOKENS, build_dit, config_for
+    from ..options import torch_dtype
+    from ..patches.prompt_kv import prompt_cache, prompt_state_like
+    from .composites import HardwareComposites
+
+    mesh = backend.mesh
     dtype = torch_dtype(req.dtype)
     overrides = {} if req.blocks is None else {"num_layers": req.blocks}
     # Uninitialised host weights: a compile reads shapes and dtypes, never values.
     dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides).to_empty(device="cpu")
-    # The ordinary composition (patches, specs, placement, SP hooks); with a plan, its roles, FSDP,
-    # layout and padding apply.
-    backend = XlaBackend(mesh)
     handle = shard_dit(dit, req.plan if req.plan is not None else mesh, backend=backend, padding=req.padding,
                        patches=req.patches or (), anchor=req.anchor, keep_host_weights=False)
     sp = handle.sp
@@ -87,36 +132,13 @@ def trace_in_process(req: CompileRequest) -> dict[str, Any]:
 
             inputs["encoder_hidden_states"] = prompt_state_like(dit, req.batch, PROMPT_TOKENS[req.size], mesh,
                                                                 placed_zeros)
-        fused = HardwareComposites(backend, dit, req.composites, split_tokens=lambda: sp.state.padded_len) if req.composites != "none" else None
-        marks = argument_marks(dit, inputs) if req.mark_arguments else None
-        t1 = time.perf_counter()
-        torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)
-        try:
-            # the marks inside the composites: a composite's operands are then the marked values
-            with torch.no_grad(), (fused if fused is not None else contextlib.nullcontext()), \
-                    (marks if marks is not None else contextlib.nullcontext()):
-                out = dit(**inputs, return_dict=False)[0]
-            gspmd = xm.get_stablehlo([out])
-        finally:
-            torch_xla._XLAC._set_xla_all_numbers_special_scalars(False)
-        check_marks(marks)
-        shardy = gspmd_to_shardy(gspmd, mesh.shape, mesh.axis_names)
-        t2 = time.perf_counter()
-        out_dir = Path(req.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        workers.atomic_write(out_dir / GSPMD_FILE, gspmd)
-        workers.atomic_write(out_dir / SHARDY_FILE, shardy)
-        return {
-            "ok": True, "stablehlo_path": str(out_dir / SHARDY_FILE), "trace_seconds": round(t2 - t0, 3),
-            "build_seconds": round(t1 - t0, 3), "sp_points": sp.points, "tokens": sp.state.valid_len,
-            "padded_tokens": sp.state.padded_len, "sdpa_fused": fused.fused if fused is not None else 0,
-            "sdpa_plain": fused.plain if fused is not None else None,
-            "composites_marked": fused.counts() if fused is not None else {},
-            "arguments_marked": dict(marks.counts) if marks is not None else {},
-            "trace_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        }
-    finally:
+        fused = (HardwareComposites(backend, dit, req.composites, split_tokens=lambda: sp.state.padded_len)
+                 if req.composites != "none" else None)
+    except BaseException:
         handle.remove()
+        raise
+    info = lambda: {"sp_points": sp.points, "tokens": sp.state.valid_len, "padded_tokens": sp.state.padded_len}  # noqa: E731
+    return dit, handle, inputs, fused, info
 
 
 def argument_marks(dit: Any, inputs: dict[str, Any]) -> Any:

@@ -19,7 +19,9 @@ from typing import Any, Iterable
 from ..options import DEFAULT_PADDING
 from ..workers import WorkerError, run_worker, worker_main
 from .launch import plan_devices, prepare_worker, stall_seconds, worker_env
-from .pcc import compare, grade
+from .pcc import compare, grade, save_pair
+from .text_encoder import ENCODER_CASE_PREFIX, EncoderCase
+from .text_encoder import run_case as run_encoder_case
 
 # Latent shapes of the embedded tiny cases. ``aligned``: 256 tokens, a multiple of SP*32 for every
 # preset up to SP 8. ``padded``: 105 tokens, padded to 128 (SP 1, 2) or 256 (SP 8).
@@ -69,7 +71,7 @@ class Case:
 # ------------------------------------------------------------------------------------ parent side
 
 
-def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path | None = None,
+def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Any], save: Path | None = None,
                       timeout: float = 1200, plan: Any = None,
                       distributed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Run ``cases`` for one backend on one mesh in a fresh process; returns the result dicts,
@@ -78,8 +80,9 @@ def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Case], save: Path
     the hardware PCC table alone). BackendError, before any process
     starts, when the backend's stack is missing (``tt`` without Tenstorrent's stack).
     ``plan``: a ShardingPlan applied instead of the preset's roles (``mesh`` is then its mesh name;
-    each case's padding must be the plan's). ``distributed``: a tt launch over several hosts
-    (:func:`~wan_sharding.jobs.launch.worker_env`)."""
+    each case's padding must be the plan's). ``cases``: the DiT's (:class:`Case`) and the text
+    encoder's (:class:`~wan_sharding.jobs.text_encoder.EncoderCase`), in any mix: one worker runs them all.
+    ``distributed``: a tt launch over several hosts (:func:`~wan_sharding.jobs.launch.worker_env`)."""
     from ..mesh import mesh_from_preset
 
     params = {"backend": backend, "mesh": mesh, "cases": [str(c) for c in cases],
@@ -136,7 +139,7 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
 
     value, max_abs = compare(reference, out)
     result = {
-        "backend": backend_name, "mesh": mesh_name, "plan": None if plan is None else plan.name,
+        "component": "dit", "backend": backend_name, "mesh": mesh_name, "plan": None if plan is None else plan.name,
         "case": str(case), **asdict(case),
         "shape": list(out.shape), "pcc": value, "max_abs": max_abs, "seconds": round(seconds, 2),
         "params": specs.counts(), "tokens": info["last_tokens"], "padded_tokens": info["last_padded_tokens"],
@@ -144,10 +147,7 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
         "collectives": collectives,
     }
     if save is not None:
-        save.mkdir(parents=True, exist_ok=True)
-        path = save / f"{backend_name}-{mesh_name}-{case.key}.pt"
-        torch.save({"reference": reference, "sharded": out}, path)
-        result["saved"] = str(path)
+        result["saved"] = save_pair(save, f"{backend_name}-{mesh_name}-{case.key}", reference, out)
     return result
 
 
@@ -163,7 +163,10 @@ def _job(params: dict[str, Any]):
 
         plan = ShardingPlan.from_dict(params["plan"])
     for text in params["cases"]:
-        yield run_case(params["backend"], params["mesh"], Case.parse(text), save, plan=plan)
+        if text.startswith(ENCODER_CASE_PREFIX):  # the UMT5 text encoder's cases, in the same worker
+            yield run_encoder_case(params["backend"], params["mesh"], EncoderCase.parse(text), save, plan=plan)
+        else:
+            yield run_case(params["backend"], params["mesh"], Case.parse(text), save, plan=plan)
 
 
 if __name__ == "__main__":

@@ -123,14 +123,15 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
 
     t = time.perf_counter()
     plan = ShardingPlan.from_dict(p["plan"]) if p.get("plan") else None
+    on_mesh = (p.get("text_encoder") or "host") == "mesh"  # the UMT5 encoder sharded with the experts
     if plan is not None:  # the plan's mesh, roles, FSDP, layout and padding
         handle = shard_pipeline(pipe, plan_mesh_arg(p["backend"], plan), backend=p["backend"], plan=plan,
-                                patches=p.get("patches") or ())
+                                patches=p.get("patches") or (), text_encoder=on_mesh)
         result["memory"] = placed_vs_predicted(handle, plan)
         _print_memory(result["memory"])
     else:
         handle = shard_pipeline(pipe, mesh_arg(p["backend"], p["mesh"]), backend=p["backend"], padding=p["padding"],
-                                patches=p.get("patches") or ())
+                                patches=p.get("patches") or (), text_encoder=on_mesh)
     result["plan"] = None if plan is None else plan.name
     result["patches"] = list(p.get("patches") or ())
     result["shard_seconds"] = round(time.perf_counter() - t, 3)
@@ -185,6 +186,17 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     c = result["params"]
     print(f"  sharded {', '.join(result['experts'])}: params col/row/norm/rep "
           f"{c['colwise']}/{c['rowwise']}/{c['norm_colwise']}/{c['replicate']}, {tok} tokens{pad}", flush=True)
+    result["text_encoder"] = "mesh" if on_mesh else ("host" if getattr(pipe, "text_encoder", None) is not None
+                                                     else "none (prompt embeddings given)")
+    if "text_encoder" in info:  # on the mesh: how it was split, and the prompts it encoded there
+        result["text_encoder_params"], result["text_encoder_calls"] = info["text_encoder"]["params"], \
+            info["text_encoder"]["calls"]
+        e = result["text_encoder_params"]
+        print(f"  text encoder on the mesh: params col/row/emb/rep {e['colwise']}/{e['rowwise']}/"
+              f"{e.get('embedding_colwise', 0)}/{e['replicate']}, {result['text_encoder_calls']} prompts encoded there",
+              flush=True)
+    else:
+        print(f"  text encoder: {result['text_encoder']}", flush=True)
     print(f"  denoising: {len(steps_s)} steps, seconds per step {', '.join(f'{s:.2f}' for s in steps_s)} "
           "(an expert's first step compiles); VAE decode "
           f"{result['decode_seconds']:.2f} s; total {result['seconds']:.2f} s", flush=True)
@@ -222,17 +234,22 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def placed_vs_predicted(handle: Any, plan: Any) -> dict[str, dict[str, Any]]:
-    """Per expert: its weights' bytes per device as placed on the backend's devices, next to what
-    the planner counts for the same plan and model (``predicted_weight_bytes``)."""
-    from ..planner.search import predicted_weight_bytes
+    """Per expert (and the text encoder, when it is on the mesh): its weights' bytes per device as
+    placed on the backend's devices, next to what the planner counts for the same plan and model
+    (``predicted_weight_bytes``, ``predicted_text_encoder_bytes``)."""
+    from ..planner.search import predicted_text_encoder_bytes, predicted_weight_bytes
 
     out = {}
     for name, per_device in handle.placed_weight_bytes().items():
-        dit = next(e.dit for e in handle.experts if e.name == name)
-        predicted = predicted_weight_bytes(dit, plan)
+        if name == "text_encoder":  # the UMT5 encoder on the mesh: the planner counts it too
+            model = handle.text_encoder.encoder
+            predicted = predicted_text_encoder_bytes(model, plan)
+        else:
+            model = next(e.dit for e in handle.experts if e.name == name)
+            predicted = predicted_weight_bytes(model, plan)
         out[name] = {"placed_max": max(per_device), "placed_min": min(per_device), "predicted": predicted,
                      "placed_over_predicted": round(max(per_device) / predicted, 6),
-                     "unsharded": sum(t.numel() * t.element_size() for t in dit.parameters())}
+                     "unsharded": sum(t.numel() * t.element_size() for t in model.parameters())}
     return out
 
 

@@ -72,3 +72,14 @@ def compare(reference: Any, other: Any) -> tuple[float, float]:
     """(PCC, largest element-wise |difference|) of two torch tensors, in float64."""
     ref64, out64 = reference.double(), other.double()
     return pcc(ref64, out64), float((ref64 - out64).abs().max())
+
+
+def save_pair(directory: Any, name: str, reference: Any, sharded: Any) -> str:
+    """Write a case's unsharded and sharded outputs (``{"reference", "sharded"}``) as
+    ``directory/name.pt`` for a caller's own comparison; returns the path."""
+    import torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.pt"
+    torch.save({"reference": reference, "sharded": sharded}, path)
+    return str(path)

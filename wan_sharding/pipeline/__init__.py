@@ -4,6 +4,8 @@
   :mod:`.standin` (the stand-in per expert), :mod:`.handle` (the handle and its undo) and
   :mod:`.stacks` (the JAX / torch-xla guard), and the reversible :class:`PipelineHandle`; each expert is
   sharded by :func:`wan_sharding.compose.shard_dit`;
+- :mod:`.text_encoder`: the pipeline's UMT5 text encoder on the mesh too (``text_encoder=True``),
+  through its own stand-in;
 - :mod:`.tiny`: an offline tiny pipeline per variant (random weights, no download) and loading a
   local checkpoint;
 - :mod:`.video`: writing the frames a pipeline returns.
@@ -20,12 +22,15 @@ from .shard import (
     sharded,
     sharded_handle,
 )
+from .text_encoder import ShardedTextEncoder
 from .video import write_video
 
-# The public home of the stand-in: what a sharded pipeline's config records for its experts.
+# The public home of the stand-ins: what a sharded pipeline's config records for its experts and its
+# text encoder.
 ShardedTransformer.__module__ = __name__
+ShardedTextEncoder.__module__ = __name__
 
 __all__ = [
-    "EXPERT_COMPONENTS", "SUPPORTED_PIPELINES", "PipelineHandle", "ShardedExpert", "ShardedTransformer",
-    "diffusers_without_torch_xla", "shard_pipeline", "sharded", "sharded_handle", "write_video",
+    "EXPERT_COMPONENTS", "SUPPORTED_PIPELINES", "PipelineHandle", "ShardedExpert", "ShardedTextEncoder",
+    "ShardedTransformer", "diffusers_without_torch_xla", "shard_pipeline", "sharded", "sharded_handle", "write_video",
 ]

@@ -51,6 +51,7 @@ class PipelineHandle(OnResolved):
     resolved: Resolved
     experts: list[ShardedExpert] = field(default_factory=list)
     pairs: Any = None  # CFG parallel: the pipeline's GuidancePairs (its encode_prompt wrapper), else None
+    text_encoder: Any = None  # the UMT5 encoder on the mesh (.text_encoder.EncoderSharding), else None
     removed: bool = False
 
     @property
@@ -63,6 +64,11 @@ class PipelineHandle(OnResolved):
         if self.removed:
             return
         errors = []
+        if self.text_encoder is not None:  # sharded last: undone first
+            try:
+                self.text_encoder.remove(self.pipe)
+            except Exception as exc:
+                errors.append(f"text_encoder: {exc!r}")
         for e in reversed(self.experts):
             try:
                 if e.wrapper is not None and e.wrapper._dit is not None:
@@ -97,6 +103,7 @@ class PipelineHandle(OnResolved):
             "padding": self.padding, "pipeline": type(self.pipe).__name__,
             "plan": None if self.plan is None else self.plan.name, "cfg": self.mesh.cfg,
             **({"cfg_steps": {"paired": self.pairs.paired, "single": self.pairs.single}} if self.pairs is not None else {}),
+            **({"text_encoder": self.text_encoder.describe()} if self.text_encoder is not None else {}),
             "experts": {
                 e.name: {"params": e.specs.counts() if e.specs is not None else {},
                          "forwards": e.wrapper.calls if e.wrapper is not None else 0,
@@ -110,8 +117,11 @@ class PipelineHandle(OnResolved):
     def placed_weight_bytes(self) -> dict[str, list[int]]:
         """Per expert, the bytes of its parameters each device holds, read from the backend's
         placed arrays (what is really on the devices, FSDP and TP splits included)."""
-        return {e.name: self.backend.placed_weight_bytes(e.dit, e.wrapper._placed) for e in self.experts
-                if e.wrapper is not None and e.wrapper._dit is not None}
+        out = {e.name: self.backend.placed_weight_bytes(e.dit, e.wrapper._placed) for e in self.experts
+               if e.wrapper is not None and e.wrapper._dit is not None}
+        if self.text_encoder is not None and self.text_encoder.handle is not None:
+            out["text_encoder"] = self.backend.placed_weight_bytes(self.text_encoder.encoder, self.text_encoder.handle.placed)
+        return out
 
 
 def _restore_component(pipe: Any, name: str, dit: Any, config_entry: Any) -> None:

@@ -34,6 +34,7 @@ from .handle import PipelineHandle, ShardedExpert, register_handle, sharded_hand
 from .stacks import diffusers_without_torch_xla, warn_if_torch_xla_in_jax_process
 from .guidance import GuidancePairs
 from .standin import CFG_CACHE_REFUSAL, ShardedTransformer
+from .text_encoder import check_pipeline_text_encoder, shard_pipeline_text_encoder
 
 if TYPE_CHECKING:
     from ..plan import ShardingPlan
@@ -54,7 +55,8 @@ def _is_wan_pipeline(pipe: Any) -> bool:
 
 def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                    padding: str | None = None, keep_host_weights: bool = True,
-                   patches: Sequence[str] = (), plan: "ShardingPlan | str | Path | None" = None) -> PipelineHandle:
+                   patches: Sequence[str] = (), plan: "ShardingPlan | str | Path | None" = None,
+                   text_encoder: bool = False) -> PipelineHandle:
     """Shard every expert of a diffusers Wan 2.2 pipeline over ``mesh``; the pipeline is then
     called as usual (``pipe(...)``) and runs each DiT forward on the mesh.
 
@@ -81,6 +83,8 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
             (or mesh) with a cfg axis (``ShardingPlan.from_mesh(with_cfg("2x4"))``) runs each step's
             cond and uncond calls as one program, one branch per group (:mod:`.guidance`); a step
             cache is then refused.
+        text_encoder: also shard the pipeline's UMT5 text encoder on the same mesh (Megatron TP,
+            :func:`wan_sharding.text_encoder.shard_text_encoder`); the prompt is then encoded there.
 
     Returns:
         A :class:`PipelineHandle`; ``handle.remove()`` (or leaving a ``with`` block) restores the
@@ -117,8 +121,10 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                 f"pipe.{name} already carries sequence-parallel hooks (is it shared with another sharded pipeline, or "
                 "was apply_dit_sp_activation_sharding called on it?); remove those first"
             )
-    resolved = resolve(mesh, backend, padding, patches, plan=plan)  # once, for every expert
+    resolved = resolve(mesh, backend, padding, patches, plan=plan)  # once, for every expert and the encoder
     _validate_experts([dit for _, dit in found], resolved)
+    if text_encoder:
+        check_pipeline_text_encoder(pipe, resolved)
     cfg = resolved.mesh.cfg_axis is not None
     if cfg and any(dit.is_cache_enabled for _, dit in found):
         raise ShardingError(CFG_CACHE_REFUSAL)
@@ -145,6 +151,8 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                 expert.wrapper._adopt_cache()
             done[id(dit)] = expert
             setattr(pipe, name, expert.wrapper)
+        if text_encoder:
+            handle.text_encoder = shard_pipeline_text_encoder(pipe, resolved, keep_host_weights)
     except BaseException:
         handle.remove()
         raise
@@ -161,9 +169,9 @@ def _validate_experts(dits: list[Any], resolved: Any) -> None:
 
 @contextlib.contextmanager
 def sharded(pipe: Any, mesh: Any = None, backend: str | Backend = "jax", padding: str | None = None,
-            plan: Any = None) -> Iterator[PipelineHandle]:
+            plan: Any = None, text_encoder: bool = False) -> Iterator[PipelineHandle]:
     """``with sharded(pipe, "2x4"): pipe(...)``: shard for the block, restore after."""
-    handle = shard_pipeline(pipe, mesh, backend=backend, padding=padding, plan=plan)
+    handle = shard_pipeline(pipe, mesh, backend=backend, padding=padding, plan=plan, text_encoder=text_encoder)
     try:
         yield handle
     finally:

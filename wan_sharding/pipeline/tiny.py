@@ -11,12 +11,14 @@ parts with the real structure:
   patchified);
 - the flow-matching ``UniPCMultistepScheduler`` Wan uses (``prediction_type="flow_prediction"``,
   ``use_flow_sigmas=True``);
-- no text encoder or tokenizer: prompts become deterministic random embeddings
-  (:func:`prompt_embeddings`, from the prompt text and the seed) given to the pipeline as
-  ``prompt_embeds`` / ``negative_prompt_embeds``.
+- a tiny ``UMT5EncoderModel`` (:func:`wan_sharding.models.build_text_encoder`: the real
+  structure, ``d_model`` = the tiny DiTs' ``text_dim``) and a tiny ``T5Tokenizer``
+  (:func:`tiny_tokenizer`: transformers' own T5 tokenizer class, a Unigram vocabulary of a few
+  hundred pieces built in code), so the pipeline encodes its prompt itself, as a real checkpoint
+  does, in 16 tokens (``max_sequence_length``, what the tiny DiTs take); ``text_encoder=False``
+  leaves both out, and prompts then become deterministic random embeddings (:func:`prompt_embeddings`).
 
-The diffusers Wan pipeline modules import ``transformers`` at import time (for their text encoder
-type hints), so even the tiny pipeline needs that package installed; nothing is downloaded.
+Nothing is downloaded.
 :func:`load_pipeline` loads a real local diffusers checkpoint directory instead.
 """
 
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..models import PROMPT_TOKENS, build_dit, config_for
+from ..models import PROMPT_TOKENS, build_dit, build_text_encoder, config_for, text_encoder_config
 from .shard import SUPPORTED_PIPELINES as PIPELINE_CLASSES
 
 
@@ -97,6 +99,30 @@ def tiny_vae(kind: str, seed: int = 0):
     return vae.eval()
 
 
+# The tiny tokenizer's whole words (each one piece); anything else is spelt out in letters.
+TINY_WORDS = ("a an the of in on over through into with and at by from to is are red blue green white black golden "
+              "fox bird cat dog horse lake snow river forest city sky sun hour night light running flying walking "
+              "fresh long job video slow motion cinematic close up shot camera").split()
+
+
+def tiny_tokenizer():
+    """A tiny ``T5Tokenizer`` (transformers' T5 / UMT5 tokenizer class: SentencePiece-style Unigram
+    over ``▁``-prefixed pieces, ``</s>`` appended) with a vocabulary built in code: ``<pad>`` 0,
+    ``</s>`` 1, ``<unk>`` 2 as in UMT5, then :data:`TINY_WORDS` as whole pieces and single
+    characters for the rest, within the tiny encoder's vocabulary (256)."""
+    import string
+
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(f"▁{w}", -1.0) for w in TINY_WORDS]  # a whole word scores above its letters
+    pieces += [(c, -5.0) for c in string.ascii_lowercase + string.digits + string.punctuation]
+    pieces += [(f"▁{c}", -4.0) for c in string.ascii_lowercase]
+    if len(pieces) > text_encoder_config("tiny")["vocab_size"]:
+        raise ValueError(f"the tiny tokenizer has {len(pieces)} pieces, more than the tiny encoder's vocabulary")
+    return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
 def flow_scheduler(flow_shift: float = 3.0):
     """The flow-matching UniPC scheduler of the Wan 2.2 diffusers checkpoints."""
     from diffusers import UniPCMultistepScheduler
@@ -106,10 +132,11 @@ def flow_scheduler(flow_shift: float = 3.0):
 
 
 def build_tiny_pipeline(variant: str = "t2v-a14b", seed: int = 0, dtype: torch.dtype = torch.float32,
-                        blocks: int | None = None):
+                        blocks: int | None = None, text_encoder: bool = True):
     """The stock diffusers pipeline of ``variant`` with tiny random-weight parts (see module doc).
     ``blocks``: transformer blocks per expert (the tiny config's own count when ``None``; more make
-    the blocks dominate a forward, as they do at full size)."""
+    the blocks dominate a forward, as they do at full size). ``text_encoder``: with the tiny UMT5
+    encoder and tokenizer (default), or without (prompt embeddings given in their place)."""
     if variant not in VARIANT_PIPELINES:
         raise ValueError(f"unknown Wan variant {variant!r}; choose one of {', '.join(VARIANT_PIPELINES)}")
     if blocks is not None and blocks < 1:
@@ -120,7 +147,9 @@ def build_tiny_pipeline(variant: str = "t2v-a14b", seed: int = 0, dtype: torch.d
     experts = {"transformer": build_dit(variant, "tiny", dtype=dtype, seed=seed, **depth)}
     if vp.experts == 2:
         experts["transformer_2"] = build_dit(variant, "tiny", dtype=dtype, seed=seed + 1, **depth)
-    kwargs: dict[str, Any] = dict(tokenizer=None, text_encoder=None, vae=tiny_vae(vp.vae, seed),
+    encoder = build_text_encoder("tiny", dtype=dtype, seed=seed + 2) if text_encoder else None
+    kwargs: dict[str, Any] = dict(tokenizer=tiny_tokenizer() if text_encoder else None, text_encoder=encoder,
+                                  vae=tiny_vae(vp.vae, seed),
                                   scheduler=flow_scheduler(vp.flow_shift), boundary_ratio=vp.boundary_ratio,
                                   expand_timesteps=vp.expand_timesteps, **experts)
     if vp.pipeline == "WanImageToVideoPipeline":
@@ -171,7 +200,8 @@ def call_kwargs(pipe: Any, prompt: str = "a red fox running through snow", negat
                 variant: str | None = None, image: Any = None, last_image: Any = None) -> dict[str, Any]:
     """Keyword arguments for ``pipe(**kwargs)``: sizes (when not given: the variant's tiny defaults,
     or 81 frames at 480x832 with ``tiny=False``), a seeded generator, the prompt (as precomputed
-    embeddings when the pipeline has no text encoder, as text otherwise) and, for an image-to-video
+    embeddings when the pipeline has no text encoder, as text otherwise: 16 tokens, the tiny DiTs'
+    prompt length, with ``tiny``) and, for an image-to-video
     pipeline, ``image`` (default: an input image made in code) and ``last_image`` when given."""
     variant = variant or pipeline_variant(pipe)
     d_frames, d_height, d_width = VARIANT_PIPELINES[variant].size if tiny else (81, 480, 832)
@@ -185,6 +215,8 @@ def call_kwargs(pipe: Any, prompt: str = "a red fox running through snow", negat
                       negative_prompt_embeds=prompt_embeddings(negative_prompt, text_dim, seed=seed))
     else:
         kwargs.update(prompt=prompt, negative_prompt=negative_prompt)
+        if tiny:
+            kwargs["max_sequence_length"] = PROMPT_TOKENS["tiny"]
     if type(pipe).__name__ == "WanImageToVideoPipeline":
         kwargs["image"] = image if image is not None else test_image(height, width)
         if last_image is not None:
@@ -215,7 +247,7 @@ def image_pipeline(pipe: Any) -> Any:
 def load_pipeline(path: str | Path, dtype: torch.dtype = torch.bfloat16):
     """A Wan 2.2 diffusers pipeline from a local directory (``local_files_only``: nothing is
     downloaded): a real checkpoint (its UMT5 text encoder needs ``transformers``), or one saved with
-    ``save_pretrained`` (the tiny pipeline, without a text encoder, loads too)."""
+    ``save_pretrained`` (the tiny pipeline loads too, with or without its text encoder)."""
     path = Path(path)
     if not (path / "model_index.json").is_file():
         raise PipelineUnavailable(

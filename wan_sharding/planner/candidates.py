@@ -195,12 +195,15 @@ def build_candidates(work: Workload, mesh_shape: Sequence[int], dram_bytes: floa
                      weight_bytes: Callable[[ShardingPlan], float], attention: str = "fused",
                      names: Sequence[str] = PHYSICAL_AXIS_NAMES,
                      keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = True,
-                     mesh_rejected: Callable[[tuple[int, ...]], str] | None = None) -> list[Candidate]:
+                     mesh_rejected: Callable[[tuple[int, ...]], str] | None = None,
+                     text_encoder_bytes: Callable[[ShardingPlan], float] | None = None) -> list[Candidate]:
     """All candidates for ``mesh_shape`` with legality decided.
 
     ``dram_bytes`` is the per-chip budget. ``weight_bytes(plan)`` returns one expert's weight bytes
     per chip under ``plan`` (the caller runs ``shard_dit_specs`` on a meta model); a ``ValueError``
-    from it makes the plan illegal. ``keep``: restrict the search to the plans it accepts.
+    from it makes the plan illegal; so does one from ``text_encoder_bytes(plan)``, the UMT5 encoder's
+    bytes per chip when it is on the mesh too (``None``: on the host). ``keep``: restrict the search
+    to the plans it accepts.
     ``cfg_split``: add the CFG-split candidates (see the module docstring). ``mesh_rejected(shape)``:
     why the compiler will not take a (half) mesh of that shape, empty if it will.
     """
@@ -228,11 +231,18 @@ def build_candidates(work: Workload, mesh_shape: Sequence[int], dram_bytes: floa
             except ValueError as e:  # ShardingError: the specs refuse the plan
                 cand.reason = f"shard_dit_specs refuses it: {e}"
             else:
-                cand.memory = memory_per_chip(work, plan, wb, attention)
+                try:
+                    te = text_encoder_bytes(plan) if text_encoder_bytes is not None else 0.0
+                except ValueError as e:  # the text encoder on the mesh: its TP must divide 64 heads and d_ff
+                    cand.reason = f"the text encoder cannot be sharded on it: {e}"
+                    out.append(cand)
+                    continue
+                cand.memory = memory_per_chip(work, plan, wb, attention, te)
                 if cand.memory.total > dram_bytes:
                     cand.reason = (f"needs {cand.memory.total / 1e9:.1f} GB per chip > "
                                    f"{dram_bytes / 1e9:.1f} GB usable "
                                    f"(weights {cand.memory.weights / 1e9:.1f} GB"
+                                   + (f", text encoder {te / 1e9:.1f} GB" if te else "")
                                    + ("" if plan.fsdp or plan.mesh().sp == 1 else "; FSDP would divide them by SP")
                                    + (f"; CFG split: each half holds every expert whole at TP {plan.mesh().tp}"
                                       if cfg_axis else "")

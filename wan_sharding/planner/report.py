@@ -128,7 +128,9 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
                f"{'x'.join(map(str, rec['cfg_split']['half_mesh']))} half (plan "
                f"[{rec['cfg_split']['plan_name']}])" if rec.get("cfg_split") else ""),
             f"  memory per chip {rec['memory_per_chip_gb']:.2f} GB of {data['chip']['dram_gb']:g} (weights "
-            f"{mem['weights_gb']:.2f}, FSDP working set {mem['fsdp_gathered_gb']:.2f}, activations "
+            f"{mem['weights_gb']:.2f}"
+            + (f", text encoder {mem['text_encoder_gb']:.2f}" if mem.get("text_encoder_gb") else "")
+            + f", FSDP working set {mem['fsdp_gathered_gb']:.2f}, activations "
             f"{mem['activations_gb']:.2f}, gathered K/V {mem['kv_gathered_gb']:.2f})",
             f"  estimated {rec['estimated_seconds_per_step']:.2f} s per denoising step "
             f"({rec['estimated_seconds_per_forward']:.2f} s per DiT forward or half-step)"

@@ -167,6 +167,31 @@ def weight_bytes_per_expert(variant: str, plan: ShardingPlan) -> float:
     return float(predicted_weight_bytes(_meta_dit(variant), plan, BF16))
 
 
+@lru_cache(maxsize=1)
+def _meta_text_encoder() -> Any:
+    """The full-size UMT5 encoder on the meta device, built once per process."""
+    import torch
+
+    from ..models import build_text_encoder
+
+    return build_text_encoder("full", device="meta", dtype=torch.bfloat16)
+
+
+def predicted_text_encoder_bytes(encoder: Any, plan: ShardingPlan, dtype_bytes: int | None = None) -> int:
+    """What the planner counts for the UMT5 text encoder's weights per chip under ``plan`` when it
+    is on the mesh: its specs' ``bytes_per_device`` (the replicated 256384 x 4096 embedding, 2.1 GB
+    in bf16, is most of it at TP 4). Raises ``ShardingError`` when the specs refuse the plan."""
+    from ..text_encoder import shard_text_encoder_specs
+
+    return shard_text_encoder_specs(encoder, plan).bytes_per_device(dtype_bytes)
+
+
+@lru_cache(maxsize=4096)
+def text_encoder_weight_bytes(plan: ShardingPlan) -> float:
+    """The full-size UMT5 encoder's weight bytes per chip in bf16 under ``plan``."""
+    return float(predicted_text_encoder_bytes(_meta_text_encoder(), plan, BF16))
+
+
 def candidate_fabric(fabric: Fabric, c: Candidate) -> Fabric:
     """The fabric ``c``'s plan runs on: the whole machine, or one half of it for a CFG split."""
     if not c.cfg_axis:
@@ -214,7 +239,8 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                   compile: bool = True, attention: str = "fused", topology: str = "machine",
                   work_dir: str | Path | None = None, timeout: float = 900.0, max_rounds: int = 3,
                   keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = False,
-                  progress: Callable[[str], None] | None = None, rank_binding_name: str | None = None) -> PlanReport:
+                  progress: Callable[[str], None] | None = None, rank_binding_name: str | None = None,
+                  text_encoder: bool = False) -> PlanReport:
     """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
 
     Args:
@@ -241,6 +267,9 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
             runtime, :data:`wan_sharding.systems.RANK_BINDINGS`): its hosts are planned for, and the
             mesh must be its global mesh and ``arch`` its chips. Without it a multi-Galaxy grid
             has one host per Galaxy.
+        text_encoder: the pipeline's UMT5 text encoder is on the mesh too (``shard_pipeline(...,
+            text_encoder=True)``): its weights count in each chip's memory, and a plan it cannot be
+            sharded on is illegal.
 
     Returns:
         A :class:`PlanReport`.
@@ -280,7 +309,8 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
     t1 = time.perf_counter()
     rejected = (lambda s: f"tt-mlir rejects a {s[0]}x{s[1]} mesh" if tt_mlir_rejects(s) else "") if compile else None
     cands = build_candidates(work, shape, chip.usable_dram_bytes, lambda p: weight_bytes_per_expert(work.variant, p),
-                             attention, PHYSICAL_AXIS_NAMES, keep, cfg_split, rejected)
+                             attention, PHYSICAL_AXIS_NAMES, keep, cfg_split, rejected,
+                             text_encoder_weight_bytes if text_encoder else None)
     ordered = stage1(work, cands, chip, fabric, cuts)
     timings["stage1"] = time.perf_counter() - t1
     say(f"stage 1: {len(cands)} candidates, {len(ordered)} legal, analytic best "

@@ -96,7 +96,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Memory:
-    """Per-chip bytes of one plan (both experts' weights resident)."""
+    """Per-chip bytes of one plan (both experts' weights resident, and the text encoder's when it
+    is on the mesh)."""
 
     weights: float  # all experts, as sharded (ShardSpecs.bytes_per_device in bf16)
     fsdp_gathered: float  # one block's weights gathered back for use (FSDP only)
@@ -104,22 +105,25 @@ class Memory:
     kv_gathered: float  # full-length K and V of the local heads
     scores: float  # one attention's score tensor if materialised (0 under a fused attention)
     scores_if_materialised: float  # what it would be
+    text_encoder: float = 0.0  # the UMT5 encoder's weights as sharded, when it is on the mesh (resident too)
 
     @property
     def total(self) -> float:
-        return self.weights + self.fsdp_gathered + self.activations + self.kv_gathered + self.scores
+        return self.weights + self.text_encoder + self.fsdp_gathered + self.activations + self.kv_gathered + self.scores
 
     def to_json(self) -> dict[str, float]:
         gb = lambda x: round(x / 1e9, 3)  # noqa: E731
-        return {"total_gb": gb(self.total), "weights_gb": gb(self.weights), "fsdp_gathered_gb": gb(self.fsdp_gathered),
+        return {"total_gb": gb(self.total), "weights_gb": gb(self.weights), "text_encoder_gb": gb(self.text_encoder),
+                "fsdp_gathered_gb": gb(self.fsdp_gathered),
                 "activations_gb": gb(self.activations), "kv_gathered_gb": gb(self.kv_gathered),
                 "scores_gb": gb(self.scores), "scores_if_materialised_gb": gb(self.scores_if_materialised)}
 
 
 def memory_per_chip(work: Workload, plan: ShardingPlan, weight_bytes_per_expert: float,
-                    attention: str = "fused") -> Memory:
-    """Per-chip memory of ``plan``: weights (exact, from the specs), plus an estimate of the
-    largest block's working set.
+                    attention: str = "fused", text_encoder_bytes: float = 0.0) -> Memory:
+    """Per-chip memory of ``plan``: weights (exact, from the specs; ``text_encoder_bytes``: the
+    UMT5 encoder's per chip when it is on the mesh too, 0 when it runs on the host), plus an
+    estimate of the largest block's working set.
 
     Activations of one block, per chip (Ls = padded L / SP tokens, D/TP the local width): the bf16
     residual stream and two f32 LayerNorm temporaries on (Ls, D) (on (Ls, D/TP) with the sharded
@@ -141,4 +145,4 @@ def memory_per_chip(work: Workload, plan: ShardingPlan, weight_bytes_per_expert:
     scores = (work.heads // tp) * ls * lp * F32
     gathered = work.block_weight_params() // tp * BF16 if (plan.fsdp and sp > 1) else 0
     return Memory(weight_bytes_per_expert * work.experts, gathered, acts, kv,
-                  scores if attention == "materialised" else 0.0, scores)
+                  scores if attention == "materialised" else 0.0, scores, text_encoder_bytes)

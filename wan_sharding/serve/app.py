@@ -128,7 +128,7 @@ def resolve_request(body: GenerationRequest, defaults: dict[str, Any], variant: 
 
 def metrics_text(sup: Supervisor) -> str:
     """Prometheus text: jobs by status, queue depth, job seconds (this process), worker restarts,
-    and each worker's state."""
+    each worker's state, and each worker's prompt embeddings (hits, misses, what is kept)."""
     counts = sup.store.counts()
     lines = ["# HELP wan_sharding_jobs Jobs in the store by status.", "# TYPE wan_sharding_jobs gauge"]
     lines += [f'wan_sharding_jobs{{status="{s}"}} {counts[s]}' for s in STATUSES]
@@ -155,11 +155,26 @@ def metrics_text(sup: Supervisor) -> str:
                    lambda r: r.restarts),
                   ("wan_sharding_worker_completed_total", "counter", "Jobs this worker completed (this server process).",
                    lambda r: r.completed)]
+    # each worker's prompt embeddings (serve/embeddings.py), as its worker process last reported them
+    cached = [r for r in sup.replicas if r.prompt_cache is not None]
+    per_worker += [(f"wan_sharding_prompt_cache_{key}{'_total' if kind == 'counter' else ''}", kind, what,
+                    lambda r, key=key: r.prompt_cache[key]) for key, kind, what in PROMPT_CACHE_METRICS]
     for name, kind, what, value in per_worker:
         lines += [f"# HELP {name} {what}", f"# TYPE {name} {kind}"]
         lines += [f'{name}{{worker="{r.index}",mesh="{r.spec.mesh}",devices="{r.spec.devices}"}} {value(r)}'
-                  for r in sup.replicas]
+                  for r in (cached if name.startswith("wan_sharding_prompt_cache_") else sup.replicas)]
     return "\n".join(lines) + "\n"
+
+
+# The prompt-embedding counts of a worker in /metrics: (key of PromptEmbeddings.stats(), kind, what)
+PROMPT_CACHE_METRICS = (
+    ("hits", "counter", "Prompts this worker process encoded before and took from its cache."),
+    ("misses", "counter", "Prompts this worker process encoded (a new or evicted prompt)."),
+    ("evictions", "counter", "Embeddings dropped to stay within --prompt-cache-mb."),
+    ("entries", "gauge", "Prompt embeddings kept."),
+    ("bytes", "gauge", "Bytes of the prompt embeddings kept."),
+    ("max_bytes", "gauge", "The bound on them (--prompt-cache-mb)."),
+)
 
 
 def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model: str | None, cache: str,

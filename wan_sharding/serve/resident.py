@@ -104,6 +104,7 @@ class Replica:
         self.restarts = 0
         self.completed = 0
         self.ready_info: dict[str, Any] = {}
+        self.prompt_cache: dict[str, Any] | None = None  # the worker's prompt embeddings, as it last reported them
         self.running: str | None = None
         self.idle = False  # ready and waiting for a job (the dispatch reads it under its lock)
         self._worker: _Worker | None = None
@@ -209,6 +210,7 @@ class Replica:
                 return ev["error"]
             if ev.get("event") == "ready":
                 self.ready_info = {k: v for k, v in ev.items() if k != "event"}
+                self.prompt_cache = ev.get("prompt_cache")
                 return None
         return "the server is stopping"
 
@@ -275,6 +277,7 @@ class Replica:
             store.progress(job_id, ev["done"], ev["total"])
             return False
         if kind == "completed":
+            self.prompt_cache = ev.get("prompt_cache", self.prompt_cache)
             store.progress(job_id, len(ev["step_seconds"]), len(ev["step_seconds"]))
             if store.complete(job_id, ev["video"], ev):
                 self.completed += 1

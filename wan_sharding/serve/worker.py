@@ -17,6 +17,10 @@ over the same sharded experts for TI2V-5B), frame 0 as ``image`` and the last fr
 
 The video goes through :func:`wan_sharding.pipeline.write_video` (a temporary name, renamed when
 complete), the same file ``generate`` writes: MP4 unless the request asks for a GIF.
+
+With ``text_encoder: "mesh"`` the pipeline's UMT5 encoder is sharded with the experts. Either way
+each prompt's embedding is kept and reused for a repeated prompt (:mod:`.embeddings`; its counts
+go out with every ``ready`` and ``completed`` event, for ``/metrics``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from ..workers import emit, resident_worker_main
 
 # The tiny pipeline's random weights: those of ``generate --seed 0``, whatever a request's seed.
 WEIGHTS_SEED = 0
+# ``serve --prompt-cache-mb``'s default: 64 full-size prompt embeddings (512 x 4096 bf16, 4 MiB each).
+PROMPT_CACHE_MB = 256
 
 
 class Cancelled(Exception):
@@ -72,15 +78,23 @@ class Resident:
         build_s = time.perf_counter() - t0
         t = time.perf_counter()
         plan = ShardingPlan.from_dict(config["plan"]) if config.get("plan") else None
+        self.text_encoder = config.get("text_encoder") or "host"
+        on_mesh = self.text_encoder == "mesh"
         if plan is not None:
             self.handle = shard_pipeline(self.pipe, plan_mesh_arg(config["backend"], plan), backend=config["backend"],
-                                         plan=plan, patches=config.get("patches") or ())
+                                         plan=plan, patches=config.get("patches") or (), text_encoder=on_mesh)
         else:
             mesh = (mesh_from_dict(config["replica_mesh"]) if config.get("replica_mesh")
                     else mesh_arg(config["backend"], config["mesh"]))
             self.handle = shard_pipeline(self.pipe, mesh, backend=config["backend"], padding=config["padding"],
-                                         patches=config.get("patches") or ())
+                                         patches=config.get("patches") or (), text_encoder=on_mesh)
         self.i2v = image_pipeline(self.pipe)  # after sharding: it shares the sharded experts
+        self.prompts = None  # each prompt's embedding once: from here on, by the encoder where it now runs
+        if self.pipe.text_encoder is not None:
+            from .embeddings import PromptEmbeddings
+
+            mb = config.get("prompt_cache_mb")
+            self.prompts = PromptEmbeddings(self._encode, int((PROMPT_CACHE_MB if mb is None else mb) * 2**20))
         shard_s = time.perf_counter() - t
         signal.signal(signal.SIGUSR1, self._on_cancel)
         t = time.perf_counter()
@@ -93,19 +107,37 @@ class Resident:
                                "broken (try --dtype fp32 or another mesh)")
         emit({"event": "ready", "variant": self.variant, "dtype": self.dtype, "build_seconds": round(build_s, 3),
               "shard_seconds": round(shard_s, 3), "warmup_seconds": round(warm_s, 3),
-              "warmup_shape": list(frames.shape)})
+              "warmup_shape": list(frames.shape), "text_encoder": self.text_encoder,
+              "prompt_cache": self.prompt_cache()})
 
     def _on_cancel(self, _signum: int, _frame: Any) -> None:
         self.cancel_requested = True
 
     def kwargs(self, req: dict[str, Any], images: dict[str, Any] | None = None, pipe: Any = None) -> dict[str, Any]:
-        """``pipe(**kwargs)`` for a request; ``images``: ``{"image": PIL, "last_image": PIL}``."""
+        """``pipe(**kwargs)`` for a request; ``images``: ``{"image": PIL, "last_image": PIL}``. The
+        prompts as their embeddings from the worker's cache (:mod:`.embeddings`), once it has one."""
         from ..pipeline.tiny import call_kwargs
 
-        return call_kwargs(pipe or self.pipe, prompt=req["prompt"], negative_prompt=req["negative_prompt"],
-                           frames=req["num_frames"], height=req["height"], width=req["width"],
-                           steps=req["num_inference_steps"], guidance_scale=req["guidance_scale"], seed=req["seed"],
-                           tiny=self.tiny, variant=self.variant, **(images or {}))
+        kw = call_kwargs(pipe or self.pipe, prompt=req["prompt"], negative_prompt=req["negative_prompt"],
+                         frames=req["num_frames"], height=req["height"], width=req["width"],
+                         steps=req["num_inference_steps"], guidance_scale=req["guidance_scale"], seed=req["seed"],
+                         tiny=self.tiny, variant=self.variant, **(images or {}))
+        prompts = getattr(self, "prompts", None)
+        if prompts is not None and "prompt" in kw:
+            length = kw.pop("max_sequence_length", 512)  # the pipelines' default
+            kw["prompt_embeds"] = prompts.get(kw.pop("prompt"), length)
+            negative = kw.pop("negative_prompt") or ""
+            if kw["guidance_scale"] > 1.0:  # the pipelines encode the negative prompt only under guidance
+                kw["negative_prompt_embeds"] = prompts.get(negative, length)
+        return kw
+
+    def _encode(self, prompt: str, max_sequence_length: int) -> Any:
+        """One prompt's embedding, as the pipeline's ``__call__`` makes it (``encode_prompt``)."""
+        return self.pipe.encode_prompt(prompt, do_classifier_free_guidance=False,
+                                       max_sequence_length=max_sequence_length)[0]
+
+    def prompt_cache(self) -> dict[str, Any] | None:
+        return self.prompts.stats() if self.prompts is not None else None
 
     def images(self, req: dict[str, Any], encoded: dict[str, str]) -> dict[str, Any]:
         """The pipeline's image arguments from a job's images (``{frame_pos: base64}``, checked by
@@ -173,7 +205,8 @@ def _handle(state: Resident, job: dict[str, Any]) -> None:
             {"event": "progress", "id": job_id, "done": done, "total": total}), state.images(req, job.get("images")))
         video = write_video(frames, Path(job["stem"]), video_format=req.get("video_format") or "mp4")
         emit({"event": "completed", "id": job_id, "video": video.name, "video_shape": list(frames.shape),
-              "seconds": round(time.perf_counter() - t, 3), "step_seconds": [round(s, 3) for s in step_s]})
+              "seconds": round(time.perf_counter() - t, 3), "step_seconds": [round(s, 3) for s in step_s],
+              "prompt_cache": state.prompt_cache()})
     except Cancelled:
         emit({"event": "cancelled", "id": job_id})
     except Exception as e:  # the job failed; the pipeline is still loaded and sharded
