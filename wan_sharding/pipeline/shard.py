@@ -34,6 +34,7 @@ from .handle import PipelineHandle, ShardedExpert, register_handle, sharded_hand
 from .stacks import diffusers_without_torch_xla, warn_if_torch_xla_in_jax_process
 from .guidance import GuidancePairs
 from .standin import CFG_CACHE_REFUSAL, ShardedTransformer
+from .vae import ShardedVae
 
 if TYPE_CHECKING:
     from ..plan import ShardingPlan
@@ -54,7 +55,8 @@ def _is_wan_pipeline(pipe: Any) -> bool:
 
 def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                    padding: str | None = None, keep_host_weights: bool = True,
-                   patches: Sequence[str] = (), plan: "ShardingPlan | str | Path | None" = None) -> PipelineHandle:
+                   patches: Sequence[str] = (), plan: "ShardingPlan | str | Path | None" = None,
+                   vae: bool = False) -> PipelineHandle:
     """Shard every expert of a diffusers Wan 2.2 pipeline over ``mesh``; the pipeline is then
     called as usual (``pipe(...)``) and runs each DiT forward on the mesh.
 
@@ -81,6 +83,9 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
             (or mesh) with a cfg axis (``ShardingPlan.from_mesh(with_cfg("2x4"))``) runs each step's
             cond and uncond calls as one program, one branch per group (:mod:`.guidance`); a step
             cache is then refused.
+        vae: also put the pipeline's VAE on the mesh (:func:`wan_sharding.shard_vae`: frames split
+            over H and W, a halo per conv): the decode after denoising and I2V's image encode run
+            there. ``False`` (default): the VAE stays on the host.
 
     Returns:
         A :class:`PipelineHandle`; ``handle.remove()`` (or leaving a ``with`` block) restores the
@@ -119,6 +124,8 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
             )
     resolved = resolve(mesh, backend, padding, patches, plan=plan)  # once, for every expert
     _validate_experts([dit for _, dit in found], resolved)
+    if vae:
+        check_pipeline_vae(pipe, resolved)
     cfg = resolved.mesh.cfg_axis is not None
     if cfg and any(dit.is_cache_enabled for _, dit in found):
         raise ShardingError(CFG_CACHE_REFUSAL)
@@ -145,11 +152,38 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                 expert.wrapper._adopt_cache()
             done[id(dit)] = expert
             setattr(pipe, name, expert.wrapper)
+        if vae:
+            handle.vae = shard_pipeline_vae(pipe, resolved, keep_host_weights)
     except BaseException:
         handle.remove()
         raise
     register_handle(pipe, handle)
     return handle
+
+
+def check_pipeline_vae(pipe: Any, resolved: Any) -> None:
+    """The pipeline's VAE checked for ``vae=True`` before anything is changed."""
+    from ..vae import check_vae
+
+    if isinstance(getattr(pipe, "vae", None), ShardedVae):
+        raise ShardingError("pipe.vae is already sharded (a ShardedVae); remove that handle first")
+    if getattr(pipe, "vae", None) is None:
+        raise ShardingError(f"{type(pipe).__name__} has no VAE to shard (pipe.vae is None); leave vae=False")
+    check_vae(pipe.vae, resolved)
+
+
+def shard_pipeline_vae(pipe: Any, resolved: Any, keep_host_weights: bool) -> Any:
+    """Shard ``pipe.vae`` on the request's mesh and put a :class:`ShardedVae` in its place; returns
+    what the pipeline handle needs to undo it."""
+    from ..vae import shard_vae
+    from .handle import ShardedComponent
+
+    original, entry = pipe.vae, pipe.config.get("vae")
+    part = ShardedComponent("vae", original, None, None, entry)
+    part.sharding = shard_vae(original, resolved=resolved, keep_host_weights=keep_host_weights)
+    part.wrapper = ShardedVae(original, part.sharding)
+    pipe.vae = part.wrapper
+    return part
 
 
 def _validate_experts(dits: list[Any], resolved: Any) -> None:

@@ -92,6 +92,21 @@ def _shift(rows: torch.Tensor, dim: int, step: int, spec: tuple, constrain: Cons
     return constrain(torch.cat([zero, kept] if step > 0 else [kept, zero], dim), spec)
 
 
+def _select(rows: torch.Tensor, dim: int, step: int, spec: tuple, constrain: Constrain) -> torch.Tensor:
+    """:func:`_shift` of gathered rows written as a sum over a constant 0/1 selection
+    (``out[p] = sum_q S[p, q] rows[q]``, ``S[p, p - step] = 1``): elementwise products and a sum
+    over the replicated dim, no reshape and no concatenate on the shard dim, so each device computes
+    its own shard's rows from what it holds and no partitioner finds a shift to turn into a
+    collective (tt-mlir's Shardy made point-to-point chains of the concatenate form, and an
+    all-to-all of a matmul's flattening). Exact in any dtype: each output is one value times 1
+    plus zeros."""
+    n = rows.shape[dim]
+    p = torch.arange(n, device=rows.device)
+    select = (p[None, :] == (p[:, None] - step)).to(rows.dtype)  # [p, q]
+    select = select.reshape([1] * dim + [n, n] + [1] * (rows.ndim - dim - 1))
+    return (rows.unsqueeze(dim) * select).sum(dim + 1)
+
+
 def exchange(x: torch.Tensor, dim: int, axis: str, lo: int, hi: int, spec: tuple, constrain: Constrain,
              mode: str = "gather") -> torch.Tensor:
     """Extend every shard along rows dim ``dim + 1`` by ``lo`` rows of the previous shard and ``hi``
@@ -110,12 +125,13 @@ def exchange(x: torch.Tensor, dim: int, axis: str, lo: int, hi: int, spec: tuple
     # gather: the shift runs on a replicated copy (after one all-gather); permute: on the split rows
     shift_spec = _with(spec, dim, None) if mode == "gather" else spec
     rows = constrain(rows, shift_spec)
+    move = _select if mode == "gather" else _shift
     parts = []
     if lo:
-        parts.append(constrain(_shift(constrain(rows.narrow(dim + 1, 0, lo), shift_spec), dim, +1, shift_spec, constrain), spec))
+        parts.append(constrain(move(constrain(rows.narrow(dim + 1, 0, lo), shift_spec), dim, +1, shift_spec, constrain), spec))
     parts.append(x)
     if hi:
-        parts.append(constrain(_shift(constrain(rows.narrow(dim + 1, lo, hi), shift_spec), dim, -1, shift_spec, constrain), spec))
+        parts.append(constrain(move(constrain(rows.narrow(dim + 1, lo, hi), shift_spec), dim, -1, shift_spec, constrain), spec))
     return constrain(torch.cat(parts, dim + 1), spec)
 
 
