@@ -12,8 +12,9 @@ from ..jobs.pcc import PCC_THRESHOLDS, grade
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
 from ..options import CPU_BACKENDS, EXECUTING_BACKENDS
-from .args import add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, preset, stack_missing
-from .validate import UsageError, apply_plan, cfg_plan, check_length, check_rope_length
+from .args import add_cfg, add_component, add_dtype, add_mesh, add_padding, add_patches, add_plan, preset, stack_missing
+from .vae import add_vae_placement, check_vae, vae_placement
+from .validate import check_vae_request, UsageError, apply_plan, cfg_plan, check_length, check_rope_length
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 CFG_MESHES = ("2x4", "8x4")  # --cfg 2: the presets with an even SP axis to cut in two
@@ -21,6 +22,10 @@ CFG_MESHES = ("2x4", "8x4")  # --cfg 2: the presets with an even SP axis to cut 
 
 def _validate_check(args: argparse.Namespace) -> None:
     from ..models import config_for
+
+    if args.component == "vae":
+        check_vae_request(args)
+        return
 
     if args.cfg == 2:
         if args.plan is not None:
@@ -36,6 +41,8 @@ def _validate_check(args: argparse.Namespace) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     _validate_check(args)
+    if args.component == "vae":
+        return check_vae(args)
     if args.plan is not None and not args.json:
         print(f"plan: {args.plan.name}")
     if stack_missing(args.backends):
@@ -53,6 +60,12 @@ def _check(args: argparse.Namespace) -> int:
                 rows.append(r)
                 if not args.json:
                     _print_row(r, header=len(rows) == 1)
+    on_mesh = [b for b in args.backends if vae_placement(args.vae, b) == "mesh"]
+    if on_mesh:  # --vae mesh (tt's default): the VAE's rows after the DiT's
+        vae_args = argparse.Namespace(**{**vars(args), "backends": on_mesh, "json": True})
+        if not args.json:
+            print()
+        failed |= check_vae(vae_args, echo=not args.json) != 0
     if args.json:
         print(json.dumps({"results": rows, "ok": not failed}, indent=1))
     else:
@@ -115,6 +128,10 @@ def add_subcommands(sub: Any) -> None:
     check = sub.add_parser("check", help="PCC of the sharded tiny DiT vs unsharded (the default job)")
     check.add_argument("--meshes", nargs="+", default=None, type=preset, choices=list(PRESET_TABLE),
                        metavar="MESH", help=f"mesh presets (default {' '.join(DEFAULT_MESHES)}, or the plan's)")
+    add_component(check, ("dit", "vae"))
+    add_vae_placement(check)
+    check.add_argument("--vae-kind", default=None, choices=["wan2.1", "wan2.2"],
+                       help="with --component vae: one VAE (default both)")
     add_cfg(check)
     add_plan(check)
     check.add_argument("--backends", nargs="+", default=list(CPU_BACKENDS), choices=list(EXECUTING_BACKENDS),

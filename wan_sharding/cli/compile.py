@@ -24,8 +24,9 @@ from ..compile.composites import COMPOSITE_SETS, DEFAULT_COMPOSITES
 from ..compile.request import FRONTENDS
 from ..models import RESOLUTIONS, VARIANTS
 from ..workers import atomic_write
-from .args import add_cfg, add_dtype, add_padding, add_patches, add_plan
-from .validate import apply_plan, compile_options, latent, output_dir, output_file, positive_float, positive_int
+from .args import add_cfg, add_component, add_dtype, add_padding, add_patches, add_plan
+from .vae import add_vae_compile_args, compile_vae
+from .validate import apply_plan, check_vae_compile, compile_options, latent, output_dir, output_file, positive_float, positive_int
 
 
 def _validate_sysdesc(args: argparse.Namespace) -> None:
@@ -62,6 +63,8 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
 
 
 def _validate_compile(args: argparse.Namespace) -> None:
+    if args.component == "vae":
+        check_vae_compile(args)
     apply_plan(args, "8x4")
     if args.out:
         output_dir(args.out, "--out")
@@ -69,6 +72,8 @@ def _validate_compile(args: argparse.Namespace) -> None:
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     _validate_compile(args)
+    if args.component == "vae":
+        return compile_vae(args)
     t0 = time.perf_counter()
     try:
         latent = latent_for(args.resolution, args.latent)
@@ -132,6 +137,8 @@ def add_subcommands(sub: Any) -> None:
     c.add_argument("--mesh", default=None, help=f"mesh preset: {', '.join(PRESETS)} (default 8x4, or the plan's)")
     add_plan(c)
     add_cfg(c)
+    add_component(c, ("dit", "vae"))
+    add_vae_compile_args(c)
     c.add_argument("--resolution", choices=list(RESOLUTIONS), default="480p")
     c.add_argument("--latent", default=None, type=latent, help="latent F,H,W instead of a resolution, e.g. 21,60,104")
     c.add_argument("--variant", choices=list(VARIANTS), default="t2v-a14b")

@@ -20,11 +20,27 @@ from pathlib import Path
 from typing import Any
 
 # The rules a request shares with the server live in jobs.requests; re-exported here for the commands.
-from ..jobs.requests import (PATCH, UsageError, check_counts, check_video, checked_option, positive_int,  # noqa: F401
-                             read_json_file)
+from ..jobs import requests
+from ..jobs.requests import PATCH, UsageError, check_counts, check_video, read_json_file  # noqa: F401
 
 
 # ---- argparse types: a bad value is an argparse error (one line, exit 2) --------------------------
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (the request rule ``jobs.requests.positive_int``, as an argparse type)."""
+    try:
+        return requests.positive_int(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def checked_option(flag: str, check, value: Any) -> Any:
+    """``check(value)`` with an argparse type's error (or a request rule's) as a UsageError naming ``flag``."""
+    try:
+        return check(str(value))
+    except (argparse.ArgumentTypeError, UsageError) as e:
+        raise UsageError(f"{flag} {value}: {e}") from None
 
 
 def positive_float(text: str) -> float:
@@ -301,3 +317,22 @@ def check_profile(args: argparse.Namespace) -> None:
     if args.latent is not None:
         args.latent = checked_option("--latent", latent, args.latent)
         check_rope_length(args.latent, config_for(args.variant)["rope_max_seq_len"], "--latent")
+
+
+def check_vae_compile(args: argparse.Namespace) -> None:
+    """``compile --component vae``: a resolution the VAE's compile knows, no DiT-only option."""
+    from ..compile.vae import PIXELS
+
+    if args.resolution not in PIXELS:
+        raise UsageError(f"--resolution {args.resolution} with --component vae: choose {' or '.join(PIXELS)}")
+    if args.latent is not None or args.plan is not None or args.cfg == 2 or args.frontend != "torchax" \
+            or args.patches:
+        raise UsageError("--latent, --plan, --cfg, --patches and --frontend torch-xla are DiT options; with "
+                         "--component vae give --mesh, --resolution, --vae-kind and --strategy")
+
+
+def check_vae_request(args: argparse.Namespace) -> None:
+    """``check --component vae``: no DiT-only option."""
+    if args.plan is not None or args.cfg == 2 or args.patches or args.padding not in (None, "mask"):
+        raise UsageError("--plan, --cfg, --patches and --padding are DiT options; with --component vae give "
+                         "--meshes, --backends, --dtype and --vae-kind")

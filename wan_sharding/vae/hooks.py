@@ -89,11 +89,12 @@ def apply_vae_hooks(vae: torch.nn.Module, split: FrameSplit, backend: Backend, s
                     exchange: str = "gather") -> VaeHooks:
     """Install the ``strategy``'s hooks on ``vae`` (see the module's table); returns their handle."""
     hooks = VaeHooks(vae, strategy)
-    if strategy == "channels":
-        return hooks
     constrain = backend.constrain
     state = hooks.state
     try:
+        _torch_dtypes(hooks, vae)
+        if strategy == "channels":
+            return hooks
         for name, module in vae.named_modules():
             kind = type(module).__name__
             if kind == "WanCausalConv3d" and module.kernel_size[1] == 3:
@@ -102,11 +103,6 @@ def apply_vae_hooks(vae: torch.nn.Module, split: FrameSplit, backend: Backend, s
                 _resample(hooks, name, module, split, constrain, state, exchange)
             elif kind == "WanAttentionBlock":
                 _attention(hooks, module, split, constrain, state)
-            elif kind == "WanRMS_norm":
-                # torchax 0.0.13 promotes bf16 * a Python float to fp32 (torch keeps bf16), so a bf16
-                # VAE's norm would hand fp32 to the next conv (bf16 bias: refused). Torch's dtype back;
-                # a no-op wherever the dtypes already match.
-                hooks._handles.append(module.register_forward_hook(Hook(lambda mod, a, y: y.to(a[0].dtype))))
     except BaseException:
         hooks.remove()
         raise
@@ -193,6 +189,22 @@ def _attention(hooks: VaeHooks, block: torch.nn.Module, split: FrameSplit, const
 
     hooks._handles.append(block.register_forward_pre_hook(Hook(pre)))
     hooks._handles.append(block.register_forward_hook(Hook(post)))
-    # torchax 0.0.13's SDPA of bf16 values returns fp32 (torch: bf16); the projection's bf16 bias
-    # refuses it. Torch's dtype back (a no-op where it already is).
-    hooks._handles.append(block.proj.register_forward_pre_hook(Hook(lambda mod, a: (a[0].to(mod.weight.dtype),))))
+
+
+def _torch_dtypes(hooks: VaeHooks, vae: torch.nn.Module) -> None:
+    """Torch's dtypes where torchax 0.0.13 changes them: it promotes bf16 times a Python float to
+    fp32 (``WanRMS_norm``'s ``* self.scale``), returns fp32 from a bf16 SDPA (the mid-block
+    attention) and keeps ``WanUpsample``'s fp32 (its ``type_as`` back to bf16 is lost), and a conv
+    then refuses the fp32 input beside its bf16 bias. Each norm's and upsampler's output is cast
+    back to its input's dtype and each conv's input to its weight's, as torch computes them;
+    both are no-ops wherever the dtypes already match (torch itself, fp32)."""
+    for module in vae.modules():
+        if type(module).__name__ == "WanRMS_norm":
+            hooks._handles.append(module.register_forward_hook(Hook(lambda mod, a, y: y.to(a[0].dtype))))
+        elif type(module).__name__ == "WanUpsample":
+            # its result reads bf16 in Python while torch's own record says fp32 (a conv then refuses
+            # it): a copy made from the array has one dtype in both
+            hooks._handles.append(module.register_forward_hook(Hook(lambda mod, a, y: y.to(a[0].dtype).clone())))
+        elif isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+            hooks._handles.append(module.register_forward_pre_hook(
+                Hook(lambda mod, a: (a[0].to(mod.weight.dtype), *a[1:]))))
