@@ -55,7 +55,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                latent_for(None, args.latent) if args.latent else None, top=args.top,
                                compile=not args.no_compile, attention=args.attention, topology=args.topology,
                                work_dir=args.out, timeout=args.timeout, keep=keep, cfg_split=args.cfg_split,
-                               progress=progress)
+                               progress=progress, vae=args.vae == "mesh")
     except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
@@ -112,6 +112,9 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--padding", choices=list(PADDING_NAMES), default=None,
                    help="only plans with this padding mode (SP 1 plans, which need none, stay)")
     p.add_argument("--fsdp", choices=["on", "off"], default=None, help="only plans with (on) or without (off) FSDP")
+    p.add_argument("--vae", choices=["mesh", "host"], default="host",
+                   help="mesh: the pipeline's VAE runs on the mesh too, its memory per chip counted beside the "
+                        "experts' (default host: the experts alone, as plans were made before)")
     p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
     p.add_argument("--cfg-split", action="store_true",
                    help="also rank CFG splits (cond and uncond at once on the two halves of an axis, a plan with "

@@ -131,7 +131,7 @@ def format_vae_reports(reports: list[dict[str, Any]]) -> str:
         if not r.get("ok"):
             lines.append(f"{req['strategy']:13} no  tt-mlir refused it: {(r.get('error') or '')[:300]}")
             continue
-        n = sum(c["count"] for c in r["collectives"])
+        n = r["collective_count"]
         lines.append(f"{req['strategy']:13} yes {n:>11} {format_bytes(r['largest_collective_bytes']):>10} "
                      f"{format_bytes(r['frame_limit_bytes']):>11} {format_bytes(r['halo_bytes']):>10} "
                      f"{format_bytes(r['collective_bytes']):>10} {r['runtime_ops']:>11}  "

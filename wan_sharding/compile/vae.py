@@ -30,6 +30,9 @@ from .request import CompileError
 PIXELS = {"480p": (480, 832), "720p": (720, 1280)}
 # The collective kinds of a TTNN module (``ttnn_ir.Collective.kind``) that a halo exchange may use.
 HALO_KINDS = ("all_gather", "point_to_point")
+# Kinds the parser lists beside the collectives that move nothing between chips: ``mesh_partition``
+# keeps each chip's own piece of a replicated tensor (a local slice).
+LOCAL_KINDS = ("mesh_partition",)
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,10 @@ def frame_bytes(req: VaeCompileRequest) -> int:
 
 def vae_bill(collectives: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     """The bill of one decode step: the largest collective, the halo bytes (every collective below
-    the frame limit of a halo kind), and whether it holds (nothing above ``limit`` bytes)."""
+    the frame limit of a halo kind), and whether it holds (nothing above ``limit`` bytes). Local
+    ops (``LOCAL_KINDS``) are counted apart and move nothing."""
+    local = sum(c["count"] for c in collectives if c["kind"] in LOCAL_KINDS)
+    collectives = [c for c in collectives if c["kind"] not in LOCAL_KINDS]
     largest = max((c["bytes"] for c in collectives), default=0)
     halos = [c for c in collectives if c["kind"] in HALO_KINDS and c["bytes"] < limit]
     problems = [f"{c['kind']} of {c['bytes']} bytes ({c['result']}) moves more than one latent frame ({limit} bytes)"
@@ -72,6 +78,7 @@ def vae_bill(collectives: list[dict[str, Any]], limit: int) -> dict[str, Any]:
             "halo_bytes": sum(c["bytes"] * c["count"] for c in halos),
             "halo_collectives": sum(c["count"] for c in halos),
             "collective_bytes": sum(c["bytes"] * c["count"] for c in collectives),
+            "collective_count": sum(c["count"] for c in collectives), "local_slices": local,
             "bill_ok": not problems, "bill_problems": problems}
 
 

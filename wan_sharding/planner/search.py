@@ -47,6 +47,7 @@ class PlanReport:
     attention: str
     timings: dict[str, float] = field(default_factory=dict)
     compiled_stage: bool = True
+    vae_memory: Any = None  # the VAE's bytes per chip when it runs on the mesh too (planner/vae.py)
 
     def estimated_seconds(self, c: Candidate) -> float | None:
         """Compiled estimate when there is one, None when tt-mlir rejected the plan, else the
@@ -127,6 +128,7 @@ class PlanReport:
             "timings_seconds": {k: round(v, 2) for k, v in self.timings.items()},
             "candidates": ranked + dups,
             "recommended": rec,
+            **({"vae_memory_per_chip": self.vae_memory.to_json()} if self.vae_memory is not None else {}),
         }
 
 
@@ -197,7 +199,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                   compile: bool = True, attention: str = "fused", topology: str = "machine",
                   work_dir: str | Path | None = None, timeout: float = 900.0, max_rounds: int = 3,
                   keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = False,
-                  progress: Callable[[str], None] | None = None) -> PlanReport:
+                  progress: Callable[[str], None] | None = None, vae: bool = False) -> PlanReport:
     """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
 
     Args:
@@ -220,6 +222,11 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
             forwards without cfg, 1 program of both branches with it); per-forward figures are
             half a step. Off by default (it roughly doubles the candidates).
         progress: called with a line of text at each step.
+        vae: the pipeline's VAE runs on the mesh too (``--vae mesh``): its weights, time cache and
+            decode working set (:func:`.vae.vae_memory_per_chip`) come off every chip's budget
+            beside the experts'. Counted whole for the denoising too (the VAE stays resident; its
+            working set is ~0.1-0.5 GB per chip), so a plan is never one that fits only while the
+            VAE is idle.
 
     Returns:
         A :class:`PlanReport`.
@@ -251,7 +258,14 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
     timings["model"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     rejected = (lambda s: f"tt-mlir rejects a {s[0]}x{s[1]} mesh" if tt_mlir_rejects(s) else "") if compile else None
-    cands = build_candidates(work, shape, chip.usable_dram_bytes, lambda p: weight_bytes_per_expert(work.variant, p),
+    vae_memory = None
+    if vae:
+        from ..models import VAE_OF_VARIANT
+        from .vae import vae_memory_per_chip
+
+        vae_memory = vae_memory_per_chip(VAE_OF_VARIANT[work.variant], shape[0] * shape[1], work.resolution or "480p")
+    budget = chip.usable_dram_bytes - (vae_memory.total if vae_memory is not None else 0.0)
+    cands = build_candidates(work, shape, budget, lambda p: weight_bytes_per_expert(work.variant, p),
                              attention, PHYSICAL_AXIS_NAMES, keep, cfg_split, rejected)
     ordered = stage1(work, cands, chip, fabric)
     timings["stage1"] = time.perf_counter() - t1
@@ -259,7 +273,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         f"{ordered[0].analytic.seconds_per_forward:.2f} s/forward" if ordered else
         f"stage 1: {len(cands)} candidates, none legal")
     if not ordered:
-        report = PlanReport(work, chip, fabric, cands, _rank(cands, []), None, top, attention, timings, compile)
+        report = PlanReport(work, chip, fabric, cands, _rank(cands, []), None, top, attention, timings, compile, vae_memory)
         return report
     compiled_list: list[Candidate] = []
     if compile:
@@ -302,7 +316,8 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
     else:
         recommended = ordered[0]
     timings["total"] = time.perf_counter() - t0
-    return PlanReport(work, chip, fabric, cands, _rank(cands, ordered), recommended, top, attention, timings, compile)
+    return PlanReport(work, chip, fabric, cands, _rank(cands, ordered), recommended, top, attention, timings, compile,
+                      vae_memory)
 
 
 def _rank(cands: Sequence[Candidate], ordered: Sequence[Candidate]) -> list[Candidate]:

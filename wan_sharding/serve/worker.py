@@ -74,12 +74,12 @@ class Resident:
         plan = ShardingPlan.from_dict(config["plan"]) if config.get("plan") else None
         if plan is not None:
             self.handle = shard_pipeline(self.pipe, plan_mesh_arg(config["backend"], plan), backend=config["backend"],
-                                         plan=plan, patches=config.get("patches") or ())
+                                         plan=plan, patches=config.get("patches") or (), vae=config.get("vae") == "mesh")
         else:
             mesh = (mesh_from_dict(config["replica_mesh"]) if config.get("replica_mesh")
                     else mesh_arg(config["backend"], config["mesh"]))
             self.handle = shard_pipeline(self.pipe, mesh, backend=config["backend"], padding=config["padding"],
-                                         patches=config.get("patches") or ())
+                                         patches=config.get("patches") or (), vae=config.get("vae") == "mesh")
         self.i2v = image_pipeline(self.pipe)  # after sharding: it shares the sharded experts
         shard_s = time.perf_counter() - t
         signal.signal(signal.SIGUSR1, self._on_cancel)
