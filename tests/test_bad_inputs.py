@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from wan_sharding import ShardingError, apply_dit_sp_activation_sharding
-from wan_sharding.models import build_dit
+from wan_sharding import ShardingError, apply_dit_sp_activation_sharding, shard_vae
+from wan_sharding.models import build_dit, build_vae
 from wan_sharding.pipeline.tiny import PipelineUnavailable, load_pipeline
 from wan_sharding.plan import PlanError, ShardingPlan
 
@@ -169,6 +169,11 @@ class _Api:
         self.fresh.append(model)
         return model
 
+    def vae(self):
+        model = build_vae("wan2.1")
+        self.fresh.append(model)
+        return model
+
     def sp_dit(self):
         model = build_dit("t2v-a14b")
         handle = apply_dit_sp_activation_sharding(model, "2x4", backend="jax", padding="mask")
@@ -179,7 +184,7 @@ class _Api:
         return {"ShardingPlan": ShardingPlan, "plan": self.plan, "write": self.write, "dit": self.dit,
                 "load_pipeline": load_pipeline,
                 "sp_dit": self.sp_dit, "apply_dit_sp_activation_sharding": apply_dit_sp_activation_sharding,
-                "copy": copy, "pickle": pickle}
+                "copy": copy, "pickle": pickle, "vae": self.vae, "shard_vae": shard_vae}
 
 
 def _hooks(model) -> int:
