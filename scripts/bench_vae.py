@@ -8,7 +8,8 @@ the CPU PCC matrix, and the per-video stage estimates beside tt-metal's publishe
    cores, so this says what sharding costs on a CPU, not what a chip does.
 2. Compile-only (``compile --component vae``): the real Wan 2.1 VAE (A14B) on meta weights, one
    decode step of a latent frame at 480p and 720p on 2x4 and 8x4, with each strategy (``halo``,
-   ``halo-permute``, ``annotate``, ``channels``); the Wan 2.2 VAE (TI2V-5B) with ``halo``.
+   ``halo-permute``, ``annotate``, ``channels``) through torchax and ``halo`` through torch-xla too
+   (real, uninitialised weights); the Wan 2.2 VAE (TI2V-5B) with ``halo``.
 3. The CPU PCC matrix (``check --component vae``: both VAEs, decode and encode, padded and not, on
    1x4, 2x4 and 8x4, jax and xla): what the suite's ``slow`` VAE test checks, in full.
 4. The stage table (``planner/vae.py``): text encoder, denoising and VAE per video for BH 2x4 480p,
@@ -66,12 +67,14 @@ def compile_rows(arch: str) -> list[dict]:
     for resolution in ("480p", "720p"):
         for mesh in MESHES:
             reqs = [VaeCompileRequest("wan2.1", mesh, resolution, s) for s in STRATEGIES]
+            reqs.append(VaeCompileRequest("wan2.1", mesh, resolution, "halo", frontend="torch-xla"))
             reqs.append(VaeCompileRequest("wan2.2", mesh, resolution, "halo"))
             out = compile_vae(reqs, arch)
             for r in out:
                 r.pop("ttnn_path", None)
                 r.pop("out_dir", None)
-            print(format_vae_reports(out[:-1]) + "\n" + format_vae_reports(out[-1:]).splitlines()[-1], flush=True)
+            for group in (out[:4], out[4:5], out[5:]):
+                print(format_vae_reports(group), flush=True)
             reports += out
     return reports
 

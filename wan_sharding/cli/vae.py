@@ -96,8 +96,8 @@ def compile_vae(args: argparse.Namespace) -> int:
 
     strategies = list(COMPILE_STRATEGIES) if args.strategy == "all" else [args.strategy]
     kind = args.vae_kind or "wan2.1"
-    reqs = [VaeCompileRequest(kind=kind, mesh=args.mesh, resolution=args.resolution, strategy=s, dtype=args.dtype)
-            for s in strategies]
+    reqs = [VaeCompileRequest(kind=kind, mesh=args.mesh, resolution=args.resolution, strategy=s, dtype=args.dtype,
+                              frontend=args.frontend) for s in strategies]
     t0 = time.perf_counter()
     try:
         reports = run(reqs, args.arch, timeout=args.timeout, keep_irs=args.out)
@@ -137,7 +137,8 @@ def format_vae_reports(reports: list[dict[str, Any]]) -> str:
                      f"{format_bytes(r['collective_bytes']):>10} {r['runtime_ops']:>11}  "
                      f"{'ok' if r['bill_ok'] else 'OVER: ' + '; '.join(r['bill_problems'][:2])}")
     head = reports[0]["request"]
-    return f"VAE {head['kind']} decode step, one latent frame at {head['resolution']} on {head['mesh']} ({head['dtype']}):\n" + "\n".join(lines)
+    return (f"VAE {head['kind']} decode step, one latent frame at {head['resolution']} on {head['mesh']} ({head['dtype']}, "
+            f"{head['frontend']} frontend):\n" + "\n".join(lines))
 
 
 def add_vae_compile_args(c: argparse.ArgumentParser) -> None:

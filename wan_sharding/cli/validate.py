@@ -325,10 +325,9 @@ def check_vae_compile(args: argparse.Namespace) -> None:
 
     if args.resolution not in PIXELS:
         raise UsageError(f"--resolution {args.resolution} with --component vae: choose {' or '.join(PIXELS)}")
-    if args.latent is not None or args.plan is not None or args.cfg == 2 or args.frontend != "torchax" \
-            or args.patches:
-        raise UsageError("--latent, --plan, --cfg, --patches and --frontend torch-xla are DiT options; with "
-                         "--component vae give --mesh, --resolution, --vae-kind and --strategy")
+    if args.latent is not None or args.plan is not None or args.cfg == 2 or args.patches:
+        raise UsageError("--latent, --plan, --cfg and --patches are DiT options; with --component vae give "
+                         "--mesh, --resolution, --frontend, --vae-kind and --strategy")
 
 
 def check_vae_request(args: argparse.Namespace) -> None:

@@ -45,6 +45,7 @@ class VaeCompileRequest:
     resolution: str = "480p"
     strategy: str = "halo"
     dtype: str = "bf16"
+    frontend: str = "torchax"  # or "torch-xla": traced lazily with real (uninitialised) weights
 
     def latent_hw(self) -> tuple[int, int]:
         """The latent frame of the resolution's video for this VAE (8x or 16x spatial compression)."""
@@ -53,14 +54,16 @@ class VaeCompileRequest:
         return h // scale, w // scale
 
     def label(self) -> str:
-        return f"vae {self.kind} {self.mesh} {self.resolution} {self.strategy}"
+        return f"vae {self.kind} {self.mesh} {self.resolution} {self.strategy} {self.frontend}"
 
 
 def frame_bytes(req: VaeCompileRequest) -> int:
-    """Bytes of one latent-resolution frame at the mid block's width (the attention's gather)."""
+    """Bytes of one latent-resolution frame at the mid block's width, as it lies on the mesh (H and W
+    padded to whole shards): what the mid-block attention gathers."""
     cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(req.kind, "full")}
     base = cfg["decoder_base_dim"] or cfg["base_dim"]
-    h, w = req.latent_hw()
+    mesh = mesh_from_preset(req.mesh)
+    h, w = (-(-size // n) * n for size, n in zip(req.latent_hw(), mesh.shape))
     return base * cfg["dim_mult"][-1] * h * w * (2 if req.dtype == "bf16" else 4)
 
 
@@ -90,7 +93,7 @@ def compile_vae(requests: list[VaeCompileRequest], arch: str = "wormhole_b0", ti
     """Compile ``requests`` in one worker; a report per request (the worker's result plus the bill)."""
     from ..workers import WorkerError, run_worker
     from .bill import collective_table
-    from .runner import check_plugin, prepare_descriptor, private_tmpdir, remove_assets, worker_env
+    from .runner import check_plugin, prepare_descriptor, private_tmpdir, remove_assets, trace_env, worker_env
     from .ttnn_ir import TTNNModule
 
     check_plugin()
@@ -100,7 +103,13 @@ def compile_vae(requests: list[VaeCompileRequest], arch: str = "wormhole_b0", ti
         desc = prepare_descriptor(arch, chips, work_dir)
         tmp = private_tmpdir(work_dir)
         out_root = Path(keep_irs) if keep_irs else work_dir / "irs"
-        params = {"requests": [asdict(r) for r in requests], "out_root": str(out_root)}
+        params = {"requests": [asdict(r) for r in requests], "out_root": str(out_root), "stage": "compile"}
+        xla = [i for i, r in enumerate(requests) if r.frontend == "torch-xla"]
+        if xla:  # the torch-xla frontend: traced on CPU devices first, in a process of its own
+            traced = run_worker("wan_sharding.compile.vae", {**params, "stage": "trace", "only": xla},
+                                trace_env(chips), label="VAE torch-xla trace worker", timeout=timeout)
+            for i, t in zip(xla, traced.results):
+                params["requests"][i]["traced"] = t
         try:
             run = run_worker("wan_sharding.compile.vae", params, worker_env(desc, tmp), label="VAE compile worker",
                              timeout=timeout, stall_s=None)
@@ -163,25 +172,100 @@ def _compile_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
         except Exception as e:  # tt-mlir's refusal, as the plugin raises it
             result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
         result["compile_seconds"] = round(time.perf_counter() - t1, 2)
-        ttnn = sorted((out_dir / "irs").glob("ttnn_[0-9]*.mlir"))
-        result["ttnn_path"] = str(ttnn[-1]) if ttnn else None
-        if result["ok"] and not ttnn:
-            result.update(ok=False, error=f"compiled but no TTNN IR was exported under {out_dir}/irs")
-        return result
+        return _with_ttnn(result, out_dir)
     finally:
         handle.remove()
 
 
+def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
+    """The torch-xla frontend: the first decode step traced lazily with torch-xla SPMD on CPU
+    devices (uninitialised weights: a compile reads shapes, never values), its GSPMD module
+    converted to Shardy as Tenstorrent's torch-xla does, written for the compile worker."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from .. import workers
+    from ..backends.xla import XlaBackend, enable_spmd
+    from ..models import build_vae
+    from ..options import torch_dtype
+    from ..vae import shard_vae
+    from .shardy import gspmd_to_shardy
+
+    enable_spmd()
+    t0 = time.perf_counter()
+    mesh = mesh_from_preset(req.mesh)
+    dtype = torch_dtype(req.dtype)
+    vae = build_vae(req.kind, "full", device="meta", dtype=dtype).to_empty(device="cpu")
+    backend = XlaBackend(mesh)
+    handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy, keep_host_weights=False)
+    try:
+        step = handle._programs().function("decode", ("n",) * vae._cached_conv_counts["decoder"], True)
+        h, w = req.latent_hw()
+        z = torch.zeros(1, vae.config.z_dim, 1, h, w, dtype=dtype).to(backend.device)
+        torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)  # scalars inlined, as torch-xla exports
+        try:
+            with torch.no_grad():
+                out = step(vae, z)[0]
+            gspmd = xm.get_stablehlo([out])
+        finally:
+            torch_xla._XLAC._set_xla_all_numbers_special_scalars(False)
+        shardy = gspmd_to_shardy(gspmd, mesh.shape, mesh.axis_names)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = workers.atomic_write(out_dir / "stablehlo_shardy.mlir", shardy)
+        return {"ok": True, "stablehlo_path": str(path), "trace_seconds": round(time.perf_counter() - t0, 2)}
+    finally:
+        handle.remove()
+
+
+def _compile_traced(req: VaeCompileRequest, traced: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    from .tt_client import compile_stablehlo_text
+
+    result: dict[str, Any] = {"out_dir": str(out_dir), "lower_seconds": traced.get("trace_seconds"),
+                              "halo_modules": None}
+    if not traced.get("ok"):
+        return {**result, "ok": False, "error": traced.get("error")}
+    t1 = time.perf_counter()
+    try:
+        compile_stablehlo_text(Path(traced["stablehlo_path"]).read_text(), mesh_from_preset(req.mesh).num_devices,
+                               out_dir, None)
+        result["ok"] = True
+    except Exception as e:  # tt-mlir's refusal, as the plugin raises it
+        result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
+    result["compile_seconds"] = round(time.perf_counter() - t1, 2)
+    return _with_ttnn(result, out_dir)
+
+
+def _with_ttnn(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    ttnn = sorted((out_dir / "irs").glob("ttnn_[0-9]*.mlir"))
+    result["ttnn_path"] = str(ttnn[-1]) if ttnn else None
+    if result["ok"] and not ttnn:
+        result.update(ok=False, error=f"compiled but no TTNN IR was exported under {out_dir}/irs")
+    return result
+
+
 def _job(params: dict[str, Any]):
+    out_root = Path(params["out_root"])
+    name = lambda i, r: out_root / f"{i}-{r.kind}-{r.mesh}-{r.resolution}-{r.strategy}-{r.frontend}"  # noqa: E731
+    if params["stage"] == "trace":  # torch-xla on CPU devices: no JAX, no plugin here
+        for i in params["only"]:
+            req = VaeCompileRequest(**{k: v for k, v in params["requests"][i].items() if k != "traced"})
+            try:
+                yield _trace_one(req, name(i, req))
+            except Exception as e:
+                yield {"ok": False, "error": f"torch-xla trace failed: {type(e).__name__}: {e}"[:8000]}
+        return
     import jax
 
     devices = jax.devices()
     if devices[0].platform != "tt":
         raise CompileError(f"JAX platform is {devices[0].platform!r}, not 'tt': TT_COMPILE_ONLY_SYSTEM_DESC was not honoured")
     for i, raw in enumerate(params["requests"]):
-        req = VaeCompileRequest(**raw)
+        traced = raw.get("traced")
+        req = VaeCompileRequest(**{k: v for k, v in raw.items() if k != "traced"})
         try:
-            yield _compile_one(req, Path(params["out_root"]) / f"{i}-{req.kind}-{req.mesh}-{req.resolution}-{req.strategy}")
+            yield (_compile_traced(req, traced, name(i, req)) if traced is not None
+                   else _compile_one(req, name(i, req)))
         except Exception as e:  # a setup error: reported, the next request goes on
             yield {"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}
 

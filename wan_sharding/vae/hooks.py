@@ -94,6 +94,8 @@ def apply_vae_hooks(vae: torch.nn.Module, split: FrameSplit, backend: Backend, s
     try:
         _torch_dtypes(hooks, vae)
         if strategy == "channels":
+            if backend.uses_torch_xla:
+                _lowered_upsample(hooks, vae)
             return hooks
         for name, module in vae.named_modules():
             kind = type(module).__name__
@@ -103,6 +105,8 @@ def apply_vae_hooks(vae: torch.nn.Module, split: FrameSplit, backend: Backend, s
                 _resample(hooks, name, module, split, constrain, state, exchange)
             elif kind == "WanAttentionBlock":
                 _attention(hooks, module, split, constrain, state)
+        if backend.uses_torch_xla:  # after the fold hooks: it acts on the folded frame
+            _lowered_upsample(hooks, vae)
     except BaseException:
         hooks.remove()
         raise
@@ -189,6 +193,33 @@ def _attention(hooks: VaeHooks, block: torch.nn.Module, split: FrameSplit, const
 
     hooks._handles.append(block.register_forward_pre_hook(Hook(pre)))
     hooks._handles.append(block.register_forward_hook(Hook(post)))
+
+
+def _lowered_upsample(hooks: VaeHooks, vae: torch.nn.Module) -> None:
+    """torch-xla 2.9 has no lowering for ``nearest-exact`` interpolation
+    (``aten::_upsample_nearest_exact2d`` falls back to the CPU), so each ``WanUpsample`` would cut
+    the lazy graph in two and move the frame to the host and back; a compile's trace then holds only
+    the part after the last upsampler. For the x2 scale the VAE uses, nearest-exact is each row and
+    column repeated twice (output ``i`` reads input ``i // 2``), exactly: the module gets a 1-pixel
+    stand-in on the host (so nothing falls back) and its output is the repeated frame."""
+    for module in vae.modules():
+        if type(module).__name__ != "WanUpsample":
+            continue
+        if module.mode != "nearest-exact" or tuple(module.scale_factor) != (2.0, 2.0):
+            raise ShardingError(f"a WanUpsample with mode {module.mode!r} and scale {module.scale_factor}: the torch-xla "
+                                "backends lower only the VAE's own nearest-exact x2")
+        held: list[torch.Tensor] = []
+
+        def stand_in(mod, a, held=held):
+            held.append(a[0])
+            return (torch.zeros((1, 1, 1, 1), dtype=a[0].dtype),)
+
+        def repeated(mod, a, y, held=held):
+            x = held.pop()
+            return x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
+
+        hooks._handles.append(module.register_forward_pre_hook(Hook(stand_in)))
+        hooks._handles.append(module.register_forward_hook(Hook(repeated), prepend=True))
 
 
 def _torch_dtypes(hooks: VaeHooks, vae: torch.nn.Module) -> None:
