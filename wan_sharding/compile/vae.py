@@ -149,8 +149,7 @@ def _compile_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
     vae = build_vae(req.kind, "full", device="meta", dtype=torch_dtype(req.dtype))
     handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy)
     try:
-        steps = handle._programs()
-        step = steps.function("decode", ("n",) * vae._cached_conv_counts["decoder"], True)
+        step = handle.first_step("decode")
         env = torchax.default_env()
 
         def program(state: dict, z: Any) -> Any:
@@ -200,7 +199,7 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
     backend = XlaBackend(mesh)
     handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy, keep_host_weights=False)
     try:
-        step = handle._programs().function("decode", ("n",) * vae._cached_conv_counts["decoder"], True)
+        step = handle.first_step("decode")
         h, w = req.latent_hw()
         z = torch.zeros(1, vae.config.z_dim, 1, h, w, dtype=dtype).to(backend.device)
         torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)  # scalars inlined, as torch-xla exports

@@ -31,6 +31,12 @@ def cache_pattern(cache: list) -> tuple[str, ...]:
     return tuple(_EMPTY if c is None else _REP if isinstance(c, str) else _TENSOR for c in cache)
 
 
+def empty_cache(vae: torch.nn.Module, part: str) -> tuple[str, ...]:
+    """The pattern of a fresh cache for ``part``: as many unwritten entries as diffusers'
+    ``clear_cache`` makes (one per causal conv of the decoder or the encoder)."""
+    return (_EMPTY,) * vae._cached_conv_counts["decoder" if part == "decode" else "encoder"]
+
+
 def rebuild_cache(pattern: tuple[str, ...], tensors: tuple) -> list:
     it = iter(tensors)
     return [None if k == _EMPTY else "Rep" if k == _REP else next(it) for k in pattern]

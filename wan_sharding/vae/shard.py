@@ -21,7 +21,7 @@ from ..compose import Resolved, ShardHandle, resolve, shard_module
 from ..specs import ShardingError
 from .halo import EXCHANGES
 from .hooks import apply_vae_hooks
-from .programs import StepPrograms, clamped_negative_slices, decode_steps, encode_steps, pad_frame
+from .programs import StepPrograms, clamped_negative_slices, decode_steps, empty_cache, encode_steps, pad_frame
 from .layout import (DEFAULT_STRATEGY, DEFAULT_VAE_PADDING, Frame, check_strategy, check_vae_model, frame_split, plan_frame,
                      spatial_units, vae_specs)
 
@@ -102,7 +102,7 @@ class VaeHandle(ShardHandle):
             return self._steps(programs, part, x, steps, frame)
 
     def _steps(self, programs: StepPrograms, part: str, x: torch.Tensor, steps: list, frame: Frame) -> list[torch.Tensor]:
-        pattern: tuple[str, ...] = ("n",) * _conv_count(self.vae, part)
+        pattern = empty_cache(self.vae, part)
         cached: tuple = ()
         outs = []
         for frames, first in steps:
@@ -111,6 +111,12 @@ class VaeHandle(ShardHandle):
             pattern = programs.out_patterns[(part, pattern, first)]
             outs.append(_cut(self.backend.to_host(out), frame))
         return outs
+
+    def first_step(self, part: str = "decode") -> Any:
+        """The function of ``part``'s first step (``fn(vae, x)``: the first latent frame of a decode,
+        the first video frame of an encode), as ``decode`` / ``encode`` run it through the backend;
+        the compile frontends lower it."""
+        return self._programs().function(part, empty_cache(self.vae, part), True)
 
     def _programs(self) -> StepPrograms:
         if self.steps is None:
@@ -140,11 +146,6 @@ class VaeHandle(ShardHandle):
             split = self.split
             out["frame_split"] = f"H/{split.nh} on {split.h_axis}, W/{split.nw} on {split.w_axis}"
         return out
-
-
-def _conv_count(vae: torch.nn.Module, part: str) -> int:
-    """The length of diffusers' cache list for ``part`` (``clear_cache`` reads the same count)."""
-    return vae._cached_conv_counts["decoder" if part == "decode" else "encoder"]
 
 
 def _cut(out: torch.Tensor, frame: Frame) -> torch.Tensor:
