@@ -168,8 +168,8 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
 
             disable_pipeline_cache(pipe)  # remove() leaves a cache on the experts
     frames = out.frames[0]
-    if "vae" in info:
-        result["vae_split"] = info["vae"].get("frame_split")
+    if "vae" in info:  # where the VAE ran, and which of its calls (I2V: the image encode too)
+        result.update(vae_split=info["vae"].get("frame_split"), vae_calls=info["vae"]["calls"])
     steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
     latents = final["latents"]
     tag = f"{p['mesh']}-{p['padding']}" if plan is None else "plan-" + plan.name.replace(" ", "_").replace("[", "").replace("]", "")
