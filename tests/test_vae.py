@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from wan_sharding import BackendError, ShardingError, shard_vae
-from wan_sharding.jobs.pcc import compare
 from wan_sharding.jobs.vae_check import VaeCase, run_in_subprocess
 from wan_sharding.models import build_vae
 from wan_sharding.vae.layout import channel_specs, plan_frame, vae_specs
@@ -119,6 +118,9 @@ def _same(a, b):
 
 @torch.no_grad()
 def test_decode_returns_what_the_vae_returns_and_remove_restores_it():
+    """The hooks go on this instance only and come off exactly; the hooked model called by itself
+    says how to run it. (The decode through the handle, against the VAE's own, in this process:
+    tests/test_vae_pipeline.py; on every mesh: the worker rows above.)"""
     vae = build_vae("wan2.1")
     other = copy.deepcopy(vae)
     before = _state(vae)
@@ -127,11 +129,6 @@ def test_decode_returns_what_the_vae_returns_and_remove_restores_it():
     handle = shard_vae(vae, "2x4", backend="jax")
     assert _state(vae)[0] > before[0] and vae.decoder.conv_in._padding == (0, 0, 0, 0, 0, 0)
     assert not any(m._forward_hooks for m in other.modules())  # another instance is untouched
-    out = handle.decode(z)
-    assert type(out) is type(reference) and out.sample.shape == reference.sample.shape
-    assert handle.decode(z, return_dict=False)[0].shape == reference.sample.shape
-    value, max_abs = compare(reference.sample, out.sample)
-    assert value > 0.99999 and max_abs < 1e-4
     with pytest.raises(ShardingError, match="through its handle"):
         vae.decode(z)  # the hooked model called by itself: one line saying how to run it
     handle.remove()

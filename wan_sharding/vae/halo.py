@@ -67,9 +67,9 @@ def mask_logical(x: torch.Tensor, logical_h: int, logical_w: int) -> torch.Tenso
     h, w = x.shape[-2:]
     if logical_h >= h and logical_w >= w:
         return x
-    rows = torch.arange(h, device=x.device, dtype=torch.int32) < logical_h
-    cols = torch.arange(w, device=x.device, dtype=torch.int32) < logical_w
-    keep = torch.logical_and(rows[:, None], cols[None, :])
+    # constants made on the host side of the trace: no integer arithmetic in the program (torchax
+    # would make int64 of it, which JAX without x64 truncates with a warning)
+    keep = torch.tensor([[r < logical_h and c < logical_w for c in range(w)] for r in range(h)], device=x.device)
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -101,8 +101,8 @@ def _select(rows: torch.Tensor, dim: int, step: int, spec: tuple, constrain: Con
     all-to-all of a matmul's flattening). Exact in any dtype: each output is one value times 1
     plus zeros."""
     n = rows.shape[dim]
-    p = torch.arange(n, device=rows.device, dtype=torch.int32)  # int32: jax has no int64 without x64
-    select = (p[None, :] == (p[:, None] - step)).to(rows.dtype)  # [p, q]
+    select = torch.tensor([[1.0 if q == p - step else 0.0 for q in range(n)] for p in range(n)],  # [p, q], a constant
+                          dtype=rows.dtype, device=rows.device)
     select = select.reshape([1] * dim + [n, n] + [1] * (rows.ndim - dim - 1))
     return (rows.unsqueeze(dim) * select).sum(dim + 1)
 
