@@ -58,7 +58,7 @@ class VaeCase:
         return ":".join(parts)
 
 
-def run_in_subprocess(backend: str, mesh: str, cases: Iterable[VaeCase], timeout: float = 1200) -> list[dict[str, Any]]:
+def run_in_subprocess(backend: str, mesh: str, cases: Iterable[VaeCase], timeout: float = 3600) -> list[dict[str, Any]]:
     """Run ``cases`` for one backend on one mesh in a fresh process; the result dicts, each graded
     (``ok``, ``threshold``, ``max_abs_bound``) as the DiT's check grades its rows."""
     from ..mesh import mesh_from_preset
