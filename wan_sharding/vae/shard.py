@@ -2,9 +2,10 @@
 
 ``resolve`` (mesh or plan, backend: the DiT's rules) -> the VAE's checks (nothing changed yet) ->
 ``compose.shard_module`` (specs -> placement -> the halo hooks), returning a :class:`VaeHandle`
-whose ``decode`` / ``encode`` run the VAE's own ``decode`` / ``encode`` as one program on the mesh
-and return what those return. Each call pads the frame to the mesh (when it must), splits it over
-H and W, and cuts the result back to the logical size, inside the program.
+whose ``decode`` / ``encode`` run the VAE's own decode / encode loop on the mesh, one program per
+latent frame or time chunk (:mod:`.programs`), and return what ``vae.decode`` / ``vae.encode``
+return. Each step pads its frame to the mesh (when it must) and splits it over H and W inside its
+program; the host assembles the outputs and cuts them back to the logical size.
 """
 
 from __future__ import annotations
