@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from wan_sharding import ShardingError, apply_dit_sp_activation_sharding, shard_text_encoder
-from wan_sharding.models import build_dit, build_text_encoder
+from wan_sharding import ShardingError, apply_dit_sp_activation_sharding, shard_text_encoder, shard_vae
+from wan_sharding.models import build_dit, build_text_encoder, build_vae
 from wan_sharding.pipeline.tiny import PipelineUnavailable, load_pipeline
 from wan_sharding.plan import PlanError, ShardingPlan
 
@@ -182,6 +182,11 @@ class _Api:
         self.fresh.append(model)
         return model
 
+    def vae(self):
+        model = build_vae("wan2.1")
+        self.fresh.append(model)
+        return model
+
     def sp_dit(self):
         model = build_dit("t2v-a14b")
         handle = apply_dit_sp_activation_sharding(model, "2x4", backend="jax", padding="mask")
@@ -193,7 +198,7 @@ class _Api:
                 "load_pipeline": load_pipeline,
                 "sp_dit": self.sp_dit, "apply_dit_sp_activation_sharding": apply_dit_sp_activation_sharding,
                 "encoder": self.encoder, "shard_text_encoder": shard_text_encoder,
-                "copy": copy, "pickle": pickle}
+                "copy": copy, "pickle": pickle, "vae": self.vae, "shard_vae": shard_vae}
 
 
 def _hooks(model) -> int:

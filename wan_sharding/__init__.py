@@ -12,6 +12,8 @@ The public API, all of it acting on one model instance and undone by ``remove()`
   :func:`mesh_from_preset`: meshes, :func:`with_cfg`: a mesh cut into two guidance groups (CFG
   parallel); :class:`ShardingPlan`: a planner's plan, accepted wherever a
   mesh is.
+- :func:`shard_vae`: the pipeline's ``AutoencoderKLWan`` (frames split over H and W, a halo per
+  conv), returning a :class:`VaeHandle` whose ``decode`` / ``encode`` run on the mesh.
 - :func:`apply_patches`: opt-in exact model rewrites (``shard_dit``'s ``patches=`` applies them).
 - :func:`shard_text_encoder` and :func:`shard_text_encoder_specs`: the pipelines' UMT5 text encoder,
   Megatron TP on the mesh (``shard_pipeline(..., text_encoder=True)`` does it for a pipeline).
@@ -26,6 +28,7 @@ from .pipeline import PipelineHandle, diffusers_without_torch_xla, shard_pipelin
 from .plan import WAN_SP_POINTS, WAN_TP_TABLE, PlanError, ShardingPlan
 from .specs import ShardingError, ShardSpecs, shard_dit_specs
 from .text_encoder import TextEncoderHandle, shard_text_encoder, shard_text_encoder_specs
+from .vae import VaeHandle, shard_vae
 
 __all__ = [
     "BACKENDS", "Backend", "BackendError", "DitHandle", "MeshError", "MeshSpec", "PRESETS", "PatchError",
@@ -33,5 +36,5 @@ __all__ = [
     "WAN_SP_POINTS",
     "WAN_TP_TABLE", "apply_dit_sp_activation_sharding", "apply_patches", "diffusers_without_torch_xla",
     "get_backend", "mesh_for_device_count", "mesh_from_preset", "shard_dit", "shard_dit_specs", "shard_pipeline",
-    "shard_text_encoder", "shard_text_encoder_specs", "with_cfg",
+    "shard_text_encoder", "shard_text_encoder_specs", "shard_vae", "VaeHandle", "with_cfg",
 ]

@@ -210,3 +210,54 @@ def text_encoder_inputs(size: str = "tiny", tokens: int | None = None, valid: tu
         ids[row, n - 1] = cfg["eos_token_id"]
         mask[row, :n] = 1
     return ids, mask
+# ---- the VAE (diffusers AutoencoderKLWan) -----------------------------------------------------
+# "wan2.1": the Wan 2.1 VAE of the A14B pipelines, AutoencoderKLWan's own defaults (base_dim 96,
+# z_dim 16, 4x8x8). "wan2.2": the Wan 2.2 VAE of TI2V-5B, as the Wan-AI/Wan2.2-TI2V-5B-Diffusers
+# checkpoint's vae/config.json gives it (residual blocks, 2x2 patchified pixels, 48 channels, 4x16x16;
+# latents_mean/std left at the class defaults: they scale latents outside decode and encode).
+VAE_KINDS = ("wan2.1", "wan2.2")
+FULL_VAE_CONFIGS: dict[str, dict[str, Any]] = {
+    "wan2.1": {},
+    "wan2.2": dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                   is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+                   scale_factor_temporal=4, temperal_downsample=[False, True, True]),
+}
+# Tiny: the same structure (strides, residual blocks, patchify, the mid-block attention) with 8 base
+# channels and one residual block per level; every channel count divides by 8 (the channel-parallel
+# alternative splits them over a mesh axis).
+TINY_VAE_CONFIGS: dict[str, dict[str, Any]] = {
+    "wan2.1": dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True]),
+    "wan2.2": dict(base_dim=8, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+                   is_residual=True, patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=16),
+}
+# The VAE each DiT variant's pipeline carries.
+VAE_OF_VARIANT = {"t2v-a14b": "wan2.1", "i2v-a14b": "wan2.1", "ti2v-5b": "wan2.2"}
+
+
+def vae_config(kind: str, size: str = "tiny") -> dict[str, Any]:
+    table = {"tiny": TINY_VAE_CONFIGS, "full": FULL_VAE_CONFIGS}.get(size)
+    if table is None:
+        raise ValueError(f"unknown model size {size!r}; choose 'tiny' or 'full'")
+    if kind not in table:
+        raise ValueError(f"unknown VAE {kind!r}; choose one of {', '.join(VAE_KINDS)}")
+    return dict(table[kind])
+
+
+def build_vae(kind: str = "wan2.1", size: str = "tiny", device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any):
+    """An ``AutoencoderKLWan`` of ``kind`` (``"wan2.1"`` or ``"wan2.2"``); ``device="meta"`` without
+    memory (compile-only). Random weights with a spread that keeps activations O(1) through the
+    whole decoder, so a sharding error shows at the output; ``latents_mean``/``std`` random too."""
+    from diffusers import AutoencoderKLWan
+
+    cfg = {**vae_config(kind, size), **overrides}
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return AutoencoderKLWan(**cfg).to(dtype)
+    g = torch.Generator().manual_seed(seed + 7)
+    z_dim = cfg.get("z_dim", 16)
+    cfg.setdefault("latents_mean", (torch.randn(z_dim, generator=g) * 0.5).tolist())
+    cfg.setdefault("latents_std", (torch.rand(z_dim, generator=g) + 0.5).tolist())
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(**cfg)
+    return vae.to(device=device, dtype=dtype).eval()

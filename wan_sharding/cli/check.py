@@ -16,7 +16,9 @@ from . import text_encoder
 from .args import (add_cfg, add_component, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan,
                    add_text_encoder, preset, stack_missing)
 from .dryrun import dry_run
-from .validate import UsageError, apply_plan, binding_mesh, cfg_plan, check_launch, check_length, check_rope_length
+from .vae import add_vae_placement, check_vae, vae_placement
+from .validate import (UsageError, apply_plan, binding_mesh, cfg_plan, check_launch, check_length, check_rope_length,
+                       check_vae_request)
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 CFG_MESHES = ("2x4", "8x4")  # --cfg 2: the presets with an even SP axis to cut in two
@@ -25,6 +27,9 @@ CFG_MESHES = ("2x4", "8x4")  # --cfg 2: the presets with an even SP axis to cut 
 def _validate_check(args: argparse.Namespace) -> None:
     from ..models import config_for
 
+    if args.component == "vae":
+        check_vae_request(args)
+        return
     text_encoder.validate_check(args)  # before the DiT's defaults fill in what was not given
     args.variant = args.variant or "t2v-a14b"
     args.lengths = args.lengths or ["aligned", "padded"]
@@ -40,10 +45,15 @@ def _validate_check(args: argparse.Namespace) -> None:
         if length not in CASE_LATENTS:
             check_rope_length(length, config_for(args.variant)["rope_max_seq_len"], "--lengths")
     check_launch(args, args.backends)
+    if args.distributed and args.vae == "mesh":
+        raise UsageError("--vae mesh with --rank-binding: the VAE's check runs on one host; check the VAE with "
+                         "--component vae on one host, or leave --vae out")
 
 
 def _check(args: argparse.Namespace) -> int:
     _validate_check(args)
+    if args.component == "vae":
+        return check_vae(args)
     if dry_run(args, "check"):
         return 0
     if args.plan is not None and not args.json:
@@ -66,6 +76,13 @@ def _check(args: argparse.Namespace) -> int:
                 rows.append(r)
                 if not args.json:
                     (text_encoder.print_row if r["component"] == text_encoder.COMPONENT else _print_row)(r, header)
+    # --vae mesh (tt's default on one host): the VAE's rows after the DiT's
+    on_mesh = [] if args.distributed else [b for b in args.backends if vae_placement(args.vae, b) == "mesh"]
+    if on_mesh:
+        vae_args = argparse.Namespace(**{**vars(args), "backends": on_mesh, "json": True})
+        if not args.json:
+            print()
+        failed |= check_vae(vae_args, echo=not args.json) != 0
     if args.json:
         print(json.dumps({"results": rows, "ok": not failed}, indent=1))
     else:
@@ -137,9 +154,12 @@ def add_subcommands(sub: Any) -> None:
     check = sub.add_parser("check", help="PCC of the sharded tiny DiT vs unsharded (the default job)")
     check.add_argument("--meshes", nargs="+", default=None, type=preset, choices=list(PRESET_TABLE),
                        metavar="MESH", help=f"mesh presets (default {' '.join(DEFAULT_MESHES)}, or the plan's)")
-    add_component(check, ("dit", text_encoder.COMPONENT))
+    add_component(check, ("dit", text_encoder.COMPONENT, "vae"))
     add_text_encoder(check, help="mesh: also check the UMT5 text encoder sharded on each mesh (its rows after the "
                                  "DiT's); host: the DiT only (default)")
+    add_vae_placement(check)
+    check.add_argument("--vae-kind", default=None, choices=["wan2.1", "wan2.2"],
+                       help="with --component vae: one VAE (default both)")
     add_cfg(check)
     add_plan(check)
     check.add_argument("--backends", nargs="+", default=list(CPU_BACKENDS), choices=list(EXECUTING_BACKENDS),

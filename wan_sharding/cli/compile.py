@@ -26,8 +26,9 @@ from ..models import RESOLUTIONS, VARIANTS
 from ..workers import atomic_write
 from . import text_encoder
 from .args import add_cfg, add_component, add_dtype, add_multihost, add_padding, add_patches, add_plan
-from .validate import (apply_plan, binding_mesh, check_binding, compile_options, latent, output_dir, output_file,
-                       positive_float, positive_int)
+from .vae import add_vae_compile_args, compile_vae
+from .validate import (UsageError, apply_plan, binding_mesh, check_binding, check_vae_compile, compile_options, latent, output_dir,
+                       output_file, positive_float, positive_int)
 
 DEFAULT_ARCH = "wormhole_b0"
 
@@ -68,7 +69,13 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
 def _validate_compile(args: argparse.Namespace) -> None:
     from ..systems import rank_binding
 
-    text_encoder.validate_compile(args)
+    if args.component == "vae":
+        args.resolution = args.resolution or "480p"
+        check_vae_compile(args)
+    else:
+        if args.vae_kind is not None or args.strategy is not None:
+            raise UsageError("--vae-kind and --strategy are the VAE's; use them with --component vae")
+        text_encoder.validate_compile(args)
     apply_plan(args, binding_mesh(args, "8x4"))
     args.rank_binding = args.rank_binding or (args.plan.rank_binding if args.plan is not None else None) or None
     if args.rank_binding:
@@ -81,6 +88,8 @@ def _validate_compile(args: argparse.Namespace) -> None:
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     _validate_compile(args)
+    if args.component == "vae":
+        return compile_vae(args)
     # the UMT5 text encoder: its own request (its report and per-layer bill come with it)
     return _report(args, text_encoder.compile_report if text_encoder.encoder_only(args) else _dit_report)
 
@@ -154,11 +163,13 @@ def add_subcommands(sub: Any) -> None:
         description="Compile the sharded Wan DiT through tt-mlir without hardware, print the TTNN op "
                     "histogram and the per-block collective bill, and check the bill against the design "
                     "and the per-device token dims for tile alignment. Exit 1 when a check fails.")
-    add_component(c, ("dit", text_encoder.COMPONENT))
+    add_component(c, ("dit", text_encoder.COMPONENT, "vae"))
     c.add_argument("--mesh", default=None, help=f"mesh preset: {', '.join(PRESETS)} (default 8x4, or the plan's)")
     add_plan(c)
     add_cfg(c)
-    c.add_argument("--resolution", choices=list(RESOLUTIONS), default=None, help="the DiT's latent (default 480p)")
+    add_vae_compile_args(c)
+    c.add_argument("--resolution", choices=list(RESOLUTIONS), default=None,
+                   help="the DiT's latent, or the VAE's frame (default 480p)")
     c.add_argument("--latent", default=None, type=latent, help="latent F,H,W instead of a resolution, e.g. 21,60,104")
     c.add_argument("--variant", choices=list(VARIANTS), default=None, help="the DiT's variant (default t2v-a14b)")
     c.add_argument("--blocks", type=positive_int, default=None,

@@ -19,6 +19,7 @@ from . import text_encoder
 from .args import (add_cache, add_cfg, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan,
                    add_text_encoder, stack_missing)
 from .dryrun import dry_run
+from .vae import add_vae_placement, vae_placement
 from .validate import apply_plan, binding_mesh, check_generate, check_launch, check_profile
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
@@ -33,6 +34,7 @@ def worker_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _validate_generate(args: argparse.Namespace) -> None:
+    args.vae = vae_placement(args.vae, args.backend)
     apply_plan(args, binding_mesh(args, "2x4"))
     check_generate(args)
     check_video_format(args.video_format)
@@ -100,6 +102,7 @@ def add_subcommands(sub: Any) -> None:
     add_padding(g, None)
     add_patches(g)
     add_cache(g)
+    add_vae_placement(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prompt", default="a red fox running through fresh snow, golden hour")
     g.add_argument("--negative-prompt", default="")
@@ -109,7 +112,8 @@ def add_subcommands(sub: Any) -> None:
                                                                                  "(default) or an animated GIF")
     g.add_argument("--out", default="results/generate", help="directory for the video and the JSON summary")
     g.add_argument("--compare", action="store_true",
-                   help="also run it unsharded with the same seed and print the PCC of the final latents")
+                   help="also run it unsharded with the same seed and print the PCC of the final latents (and of "
+                        "the decoded video with --vae mesh)")
     g.set_defaults(func=_generate, validate=_validate_generate)
 
     p = sub.add_parser("profile", help="warm-iteration timing of the sharded DiT or denoising step",
@@ -120,7 +124,8 @@ def add_subcommands(sub: Any) -> None:
     add_plan(p)
     p.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
     p.add_argument("--what", nargs="+", default=["dit"], choices=list(WHAT),
-                   help="dit: one DiT forward; step: cond + uncond forward, CFG, scheduler step")
+                   help="dit: one DiT forward; step: cond + uncond forward, CFG, scheduler step; vae: the VAE's "
+                        "decode of the latent, sharded beside the host's")
     p.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations (the first compiles)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations")

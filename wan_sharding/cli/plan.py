@@ -71,7 +71,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                compile=not args.no_compile, attention=args.attention, topology=args.topology,
                                work_dir=args.out, timeout=args.timeout, keep=keep, cfg_split=args.cfg_split,
                                progress=progress, rank_binding_name=args.rank_binding,
-                               text_encoder=args.text_encoder == "mesh")
+                               text_encoder=args.text_encoder == "mesh", vae=args.vae == "mesh")
     except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
@@ -135,6 +135,9 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--fsdp", choices=["on", "off"], default=None, help="only plans with (on) or without (off) FSDP")
     add_text_encoder(p, help="mesh: the pipeline's UMT5 text encoder is sharded on the mesh too (its weights count in "
                              "each chip's memory; a plan it cannot be sharded on is illegal); host (default): it is not")
+    p.add_argument("--vae", choices=["mesh", "host"], default="host",
+                   help="mesh: the pipeline's VAE runs on the mesh too, its memory per chip counted beside the "
+                        "experts' (default host: the experts alone, as plans were made before)")
     p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
     p.add_argument("--cfg-split", action="store_true",
                    help="also rank CFG splits (cond and uncond at once on the two halves of an axis, a plan with "

@@ -12,6 +12,7 @@ from . import text_encoder
 from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
 from .dryrun import dry_run
 from .pipeline import add_pipeline_source, worker_params
+from .vae import add_vae_placement, vae_placement
 from .validate import (
     UsageError,
     apply_plan,
@@ -55,6 +56,7 @@ def check_serve(args: argparse.Namespace) -> None:
 
 
 def _validate_serve(args: argparse.Namespace) -> None:
+    args.vae = vae_placement(args.vae, args.backend)
     apply_plan(args, binding_mesh(args, "2x4"))
     check_serve(args)
     check_launch(args, [args.backend])
@@ -154,6 +156,7 @@ def add_subcommands(sub: Any) -> None:
     add_padding(s, None)
     add_patches(s)
     add_cache(s)
+    add_vae_placement(s)
     add_dtype(s, None, help="default: fp32 tiny, bf16 with --model")
     s.add_argument("--steps", type=int, default=4, help="steps of a request that leaves them out, and of the warm-up")
     s.add_argument("--frames", type=int, help="frames of a request that leaves them out (default: generate's)")

@@ -20,11 +20,27 @@ from pathlib import Path
 from typing import Any
 
 # The rules a request shares with the server live in jobs.requests; re-exported here for the commands.
-from ..jobs.requests import (PATCH, UsageError, check_counts, check_video, checked_option, positive_int,  # noqa: F401
-                             read_json_file)
+from ..jobs import requests
+from ..jobs.requests import PATCH, UsageError, check_counts, check_video, read_json_file  # noqa: F401
 
 
 # ---- argparse types: a bad value is an argparse error (one line, exit 2) --------------------------
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (the request rule ``jobs.requests.positive_int``, as an argparse type)."""
+    try:
+        return requests.positive_int(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def checked_option(flag: str, check, value: Any) -> Any:
+    """``check(value)`` with an argparse type's error (or a request rule's) as a UsageError naming ``flag``."""
+    try:
+        return check(str(value))
+    except (argparse.ArgumentTypeError, UsageError) as e:
+        raise UsageError(f"{flag} {value}: {e}") from None
 
 
 def positive_float(text: str) -> float:
@@ -405,3 +421,28 @@ def check_launch(args: argparse.Namespace, backends: list[str]) -> None:
     except (BindingError, LaunchError) as e:
         raise UsageError(str(e)) from None
     args.distributed = launch.to_json()
+
+
+def check_vae_compile(args: argparse.Namespace) -> None:
+    """``compile --component vae``: a resolution the VAE's compile knows, no DiT-only option."""
+    from ..compile.vae import PIXELS
+
+    if args.resolution not in PIXELS:
+        raise UsageError(f"--resolution {args.resolution} with --component vae: choose {' or '.join(PIXELS)}")
+    if (args.latent is not None or args.plan is not None or args.cfg == 2 or args.patches or args.rank_binding
+            or args.variant is not None or args.blocks is not None):
+        raise UsageError("--latent, --plan, --cfg, --patches, --rank-binding, --variant and --blocks are DiT options; "
+                         "with --component vae give --mesh, --resolution, --frontend, --vae-kind and --strategy")
+    if args.tokens is not None or args.vocab is not None:
+        raise UsageError("--tokens and --vocab are the text encoder's; with --component vae give --mesh, --resolution, "
+                         "--frontend, --vae-kind and --strategy")
+
+
+def check_vae_request(args: argparse.Namespace) -> None:
+    """``check --component vae``: no DiT-only option."""
+    if args.plan is not None or args.cfg == 2 or args.patches or args.padding not in (None, "mask"):
+        raise UsageError("--plan, --cfg, --patches and --padding are DiT options; with --component vae give "
+                         "--meshes, --backends, --dtype and --vae-kind")
+    if args.rank_binding or args.hosts or args.hostfile or args.dry_run:
+        raise UsageError("--rank-binding, --hosts, --hostfile and --dry-run launch the DiT's check over several hosts; "
+                         "the VAE's check runs on one host: leave them out with --component vae")

@@ -111,10 +111,15 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
 
         ratios = calibrate_pipeline_mag_ratios(pipe, latents_of, p["steps"])
         result["mag_ratios"] = ratios
-    reference = cached_reference = None
+    reference = cached_reference = reference_video = None
+    vae_on_mesh = p.get("vae") == "mesh"
+    result["vae"] = "mesh" if vae_on_mesh else "host"
     if p["compare"]:
         t = time.perf_counter()
-        reference = latents_of()
+        if vae_on_mesh:  # the decoded video is compared too: one reference run gives latents and video
+            reference, reference_video = _latents_and_video(pipe, kwargs())
+        else:
+            reference = latents_of()
         result["unsharded_seconds"] = round(time.perf_counter() - t, 3)
         print(f"  unsharded reference run: {result['unsharded_seconds']:.2f} s", flush=True)
         if cache != "none":
@@ -123,15 +128,15 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
 
     t = time.perf_counter()
     plan = ShardingPlan.from_dict(p["plan"]) if p.get("plan") else None
-    on_mesh = (p.get("text_encoder") or "host") == "mesh"  # the UMT5 encoder sharded with the experts
+    encoder_on_mesh = (p.get("text_encoder") or "host") == "mesh"  # the UMT5 encoder sharded with the experts
     if plan is not None:  # the plan's mesh, roles, FSDP, layout and padding
         handle = shard_pipeline(pipe, plan_mesh_arg(p["backend"], plan), backend=p["backend"], plan=plan,
-                                patches=p.get("patches") or (), text_encoder=on_mesh)
+                                patches=p.get("patches") or (), text_encoder=encoder_on_mesh, vae=vae_on_mesh)
         result["memory"] = placed_vs_predicted(handle, plan)
         _print_memory(result["memory"])
     else:
         handle = shard_pipeline(pipe, mesh_arg(p["backend"], p["mesh"]), backend=p["backend"], padding=p["padding"],
-                                patches=p.get("patches") or (), text_encoder=on_mesh)
+                                patches=p.get("patches") or (), text_encoder=encoder_on_mesh, vae=vae_on_mesh)
     result["plan"] = None if plan is None else plan.name
     result["patches"] = list(p.get("patches") or ())
     result["shard_seconds"] = round(time.perf_counter() - t, 3)
@@ -167,6 +172,8 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
 
             disable_pipeline_cache(pipe)  # remove() leaves a cache on the experts
     frames = out.frames[0]
+    if "vae" in info:  # where the VAE ran, and which of its calls (I2V: the image encode too)
+        result.update(vae_split=info["vae"].get("frame_split"), vae_calls=info["vae"]["calls"])
     steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
     latents = final["latents"]
     tag = f"{p['mesh']}-{p['padding']}" if plan is None else "plan-" + plan.name.replace(" ", "_").replace("[", "").replace("]", "")
@@ -186,7 +193,7 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     c = result["params"]
     print(f"  sharded {', '.join(result['experts'])}: params col/row/norm/rep "
           f"{c['colwise']}/{c['rowwise']}/{c['norm_colwise']}/{c['replicate']}, {tok} tokens{pad}", flush=True)
-    result["text_encoder"] = "mesh" if on_mesh else ("host" if getattr(pipe, "text_encoder", None) is not None
+    result["text_encoder"] = "mesh" if encoder_on_mesh else ("host" if getattr(pipe, "text_encoder", None) is not None
                                                      else "none (prompt embeddings given)")
     if "text_encoder" in info:  # on the mesh: how it was split, and the prompts it encoded there
         result["text_encoder_params"], result["text_encoder_calls"] = info["text_encoder"]["params"], \
@@ -228,9 +235,27 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
                   flush=True)
         print(f"  compare: final latents sharded vs {what} PCC {value:.9f}, max|diff| {max_abs:.2e} "
               f"({'within' if result['pcc_ok'] else 'OUTSIDE'} {bound})", flush=True)
+        if reference_video is not None:  # the VAE on the mesh: its decode against the host's
+            v_pcc, v_max = compare(torch.from_numpy(reference_video), torch.from_numpy(frames))
+            v_ok = bound.passes(v_pcc, v_max)
+            result.update(video_pcc=v_pcc, video_max_abs=v_max, video_ok=v_ok, pcc_ok=result["pcc_ok"] and v_ok)
+            print(f"  compare: decoded video (VAE on the mesh) vs unsharded PCC {v_pcc:.9f}, max|diff| {v_max:.2e} "
+                  f"({'within' if v_ok else 'OUTSIDE'} {bound})", flush=True)
     atomic_write(result["summary"], json.dumps(result, indent=1) + "\n")
     print(f"  video: {video}  summary: {result['summary']}", flush=True)
     return [result]
+
+
+def _latents_and_video(pipe: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """One run of ``pipe``: its final latents (the last step's callback) and its decoded video."""
+    final: dict[str, Any] = {}
+
+    def keep(_pipe, i, _t, cb):
+        final["latents"] = cb["latents"]
+        return {}
+
+    out = pipe(**kwargs, output_type="np", callback_on_step_end=keep)
+    return final["latents"], out.frames[0]
 
 
 def placed_vs_predicted(handle: Any, plan: Any) -> dict[str, dict[str, Any]]:

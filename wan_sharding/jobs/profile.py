@@ -3,7 +3,8 @@
 The protocol: ``warmup`` iterations (the first compiles), then ``iters`` timed iterations, each a
 forward plus the copy to the host; median / min / max reported, compile time apart. ``dit`` is one
 DiT forward; ``step`` a denoising step as the Wan pipelines do it (cond + uncond forward, CFG,
-scheduler step). The mesh ``unsharded`` is the baseline: the same backend on one device,
+scheduler step); ``vae`` the VAE's decode, sharded beside the host's (:mod:`.vae_profile`). The
+mesh ``unsharded`` is the baseline: the same backend on one device,
 replicated weights, no SP hooks (on ``tt`` only where the machine has one chip: torch-xla SPMD spans
 every chip it sees, and a larger machine refuses a one-device mesh with one line). Runs in a worker
 (``python -m wan_sharding.jobs.profile``).
@@ -31,7 +32,7 @@ def note_for(backend: str) -> str:
     return TT_NOTE if backend == "tt" else CPU_NOTE
 # Profile latents (F, H, W): "tiny" is the check's padded case (105 tokens); "small" 1950 tokens.
 PROFILE_LATENTS = {"tiny": (3, 10, 14), "small": (5, 30, 52)}
-WHAT = ("dit", "step")
+WHAT = ("dit", "step", "vae")
 
 
 # ------------------------------------------------------------------------------------ parent side
@@ -177,7 +178,7 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
             model.cache_stats.reset()
 
     results = []
-    for what in p["what"]:
+    for what in [w for w in p["what"] if w != "vae"]:
         times: list[float] = []
         marks: list = []
         if what == "dit":
@@ -249,7 +250,14 @@ def _job(params: dict[str, Any]) -> list[dict[str, Any]]:
     # Inference only, as Tenstorrent runs it: with grad on, the tt backend's torch.compile would
     # trace forward and backward and keep activations.
     with torch.no_grad():
-        return _profile(params)
+        rows = _profile(params) if set(params["what"]) - {"vae"} else []
+        if "vae" in params["what"]:  # the VAE's decode, sharded and on the host (jobs/vae_profile.py)
+            from .vae_profile import profile_vae
+
+            latent = (tuple(int(v) for v in params["latent"].split(",")) if params.get("latent")
+                      else PROFILE_LATENTS[params["resolution"]])
+            rows.append(profile_vae(params, latent, note_for(params["backend"])))
+        return rows
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ rounds them down with only a log warning), and at least 16 (its ``check_inputs``
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PATCH", "UsageError", "check_counts", "check_video", "check_video_format", "checked_option",
-           "positive_int", "read_json_file", "video_factors"]
+__all__ = ["PATCH", "UsageError", "check_counts", "check_video", "check_video_format", "positive_int",
+           "read_json_file", "video_factors"]
 
 
 class UsageError(ValueError):
@@ -27,13 +26,14 @@ class UsageError(ValueError):
 
 
 def positive_int(text: str) -> int:
-    """An integer >= 1 (steps, iterations, blocks, batch, ...)."""
+    """An integer >= 1 (steps, iterations, blocks, batch, ...); UsageError otherwise (the command
+    line turns it into its own option error: ``cli.validate.positive_int``)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+        raise UsageError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise UsageError(f"must be >= 1, got {value}")
     return value
 
 
@@ -96,16 +96,11 @@ def read_json_file(path: Path, required: bool = True) -> Any:
         raise UsageError(f"{path} is not readable JSON ({e}); re-download or re-save the checkpoint") from None
 
 
-def checked_option(flag: str, check, value: Any) -> Any:
-    """``check(value)`` with an argparse type's error turned into a UsageError naming ``flag``."""
-    try:
-        return check(str(value))
-    except argparse.ArgumentTypeError as e:
-        raise UsageError(f"{flag} {value}: {e}") from None
-
-
 def check_counts(counts: dict[str, Any]) -> None:
     """Each count given (``{name: value}``, ``None``: not given) is a whole number >= 1."""
     for name, value in counts.items():
         if value is not None:
-            checked_option(name, positive_int, value)
+            try:
+                positive_int(str(value))
+            except UsageError as e:
+                raise UsageError(f"{name} {value}: {e}") from None

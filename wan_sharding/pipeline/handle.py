@@ -14,7 +14,7 @@ from typing import Any
 from ..compose import DitHandle, OnResolved, Resolved
 from .standin import ShardedTransformer
 
-__all__ = ["PipelineHandle", "ShardedExpert", "register_handle", "sharded_handle"]
+__all__ = ["PipelineHandle", "ShardedComponent", "ShardedExpert", "register_handle", "sharded_handle"]
 
 # Pipelines that are currently sharded -> their handle. Weak both ways (the handle holds the
 # pipeline), so a pipeline and handle that are both dropped are freed.
@@ -44,6 +44,24 @@ class ShardedExpert:
 
 
 @dataclass(eq=False)
+class ShardedComponent:
+    """A non-expert part of a sharded pipeline (the VAE): the original, its handle, its stand-in
+    and the pipeline's config entry."""
+
+    name: str
+    model: Any
+    wrapper: Any
+    sharding: Any
+    config_entry: Any
+
+    def remove(self, pipe: Any) -> None:
+        if self.sharding is not None:
+            self.sharding.remove()
+        if getattr(pipe, self.name, None) is not self.model:
+            _restore_component(pipe, self.name, self.model, self.config_entry)
+
+
+@dataclass(eq=False)
 class PipelineHandle(OnResolved):
     """What :func:`shard_pipeline` did to one pipeline; ``remove()`` undoes it."""
 
@@ -52,6 +70,7 @@ class PipelineHandle(OnResolved):
     experts: list[ShardedExpert] = field(default_factory=list)
     pairs: Any = None  # CFG parallel: the pipeline's GuidancePairs (its encode_prompt wrapper), else None
     text_encoder: Any = None  # the UMT5 encoder on the mesh (.text_encoder.EncoderSharding), else None
+    vae: ShardedComponent | None = None  # shard_pipeline(..., vae=True)
     removed: bool = False
 
     @property
@@ -64,7 +83,12 @@ class PipelineHandle(OnResolved):
         if self.removed:
             return
         errors = []
-        if self.text_encoder is not None:  # sharded last: undone first
+        if self.vae is not None:  # sharded last: undone first
+            try:
+                self.vae.remove(self.pipe)
+            except Exception as exc:
+                errors.append(f"vae: {exc!r}")
+        if self.text_encoder is not None:
             try:
                 self.text_encoder.remove(self.pipe)
             except Exception as exc:
@@ -104,6 +128,7 @@ class PipelineHandle(OnResolved):
             "plan": None if self.plan is None else self.plan.name, "cfg": self.mesh.cfg,
             **({"cfg_steps": {"paired": self.pairs.paired, "single": self.pairs.single}} if self.pairs is not None else {}),
             **({"text_encoder": self.text_encoder.describe()} if self.text_encoder is not None else {}),
+            **({"vae": {**self.vae.sharding.describe(), "calls": dict(self.vae.wrapper.calls)}} if self.vae is not None else {}),
             "experts": {
                 e.name: {"params": e.specs.counts() if e.specs is not None else {},
                          "forwards": e.wrapper.calls if e.wrapper is not None else 0,

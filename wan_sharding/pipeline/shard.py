@@ -35,6 +35,7 @@ from .stacks import diffusers_without_torch_xla, warn_if_torch_xla_in_jax_proces
 from .guidance import GuidancePairs
 from .standin import CFG_CACHE_REFUSAL, ShardedTransformer
 from .text_encoder import check_pipeline_text_encoder, shard_pipeline_text_encoder
+from .vae import check_pipeline_vae, shard_pipeline_vae
 
 if TYPE_CHECKING:
     from ..plan import ShardingPlan
@@ -56,7 +57,7 @@ def _is_wan_pipeline(pipe: Any) -> bool:
 def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                    padding: str | None = None, keep_host_weights: bool = True,
                    patches: Sequence[str] = (), plan: "ShardingPlan | str | Path | None" = None,
-                   text_encoder: bool = False) -> PipelineHandle:
+                   text_encoder: bool = False, vae: bool = False) -> PipelineHandle:
     """Shard every expert of a diffusers Wan 2.2 pipeline over ``mesh``; the pipeline is then
     called as usual (``pipe(...)``) and runs each DiT forward on the mesh.
 
@@ -85,6 +86,9 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
             cache is then refused.
         text_encoder: also shard the pipeline's UMT5 text encoder on the same mesh (Megatron TP,
             :func:`wan_sharding.text_encoder.shard_text_encoder`); the prompt is then encoded there.
+        vae: also put the pipeline's VAE on the mesh (:func:`wan_sharding.shard_vae`: frames split
+            over H and W, a halo per conv): the decode after denoising and I2V's image encode run
+            there. ``False`` (default): the VAE stays on the host.
 
     Returns:
         A :class:`PipelineHandle`; ``handle.remove()`` (or leaving a ``with`` block) restores the
@@ -125,6 +129,8 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
     _validate_experts([dit for _, dit in found], resolved)
     if text_encoder:
         check_pipeline_text_encoder(pipe, resolved)
+    if vae:
+        check_pipeline_vae(pipe, resolved)
     cfg = resolved.mesh.cfg_axis is not None
     if cfg and any(dit.is_cache_enabled for _, dit in found):
         raise ShardingError(CFG_CACHE_REFUSAL)
@@ -153,6 +159,8 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
             setattr(pipe, name, expert.wrapper)
         if text_encoder:
             handle.text_encoder = shard_pipeline_text_encoder(pipe, resolved, keep_host_weights)
+        if vae:
+            handle.vae = shard_pipeline_vae(pipe, resolved, keep_host_weights)
     except BaseException:
         handle.remove()
         raise

@@ -79,24 +79,10 @@ def pipeline_classes() -> dict[str, type]:
 
 def tiny_vae(kind: str, seed: int = 0):
     """A tiny ``AutoencoderKLWan`` with the strides and latent channels of the real one (float32, as
-    Wan's VAE is run)."""
-    from diffusers import AutoencoderKLWan
+    Wan's VAE is run): ``models.TINY_VAE_CONFIGS``."""
+    from ..models import build_vae
 
-    if kind == "wan2.1":
-        z_dim, extra = 16, {}
-    elif kind == "wan2.2":
-        # The Wan 2.2 VAE: residual blocks, 2x2 patchified pixels (3 -> 12 channels), 16x spatial.
-        z_dim, extra = 48, dict(is_residual=True, patch_size=2, in_channels=12, out_channels=12,
-                                scale_factor_spatial=16)
-    else:
-        raise ValueError(f"unknown VAE kind {kind!r}; choose 'wan2.1' or 'wan2.2'")
-    g = torch.Generator().manual_seed(seed + 7)
-    mean = (torch.randn(z_dim, generator=g) * 0.5).tolist()
-    std = (torch.rand(z_dim, generator=g) + 0.5).tolist()
-    torch.manual_seed(seed)
-    vae = AutoencoderKLWan(base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-                           temperal_downsample=[False, True, True], latents_mean=mean, latents_std=std, **extra)
-    return vae.eval()
+    return build_vae(kind, "tiny", seed=seed)
 
 
 # The tiny tokenizer's whole words (each one piece); anything else is spelt out in letters.

@@ -131,7 +131,11 @@ def format_report(report: PlanReport, data: dict[str, Any] | None = None, rows: 
             f"{mem['weights_gb']:.2f}"
             + (f", text encoder {mem['text_encoder_gb']:.2f}" if mem.get("text_encoder_gb") else "")
             + f", FSDP working set {mem['fsdp_gathered_gb']:.2f}, activations "
-            f"{mem['activations_gb']:.2f}, gathered K/V {mem['kv_gathered_gb']:.2f})",
+            f"{mem['activations_gb']:.2f}, gathered K/V {mem['kv_gathered_gb']:.2f})"
+            + (f"; the VAE beside them {data['vae_memory_per_chip']['total_gb']:.2f} GB (weights "
+               f"{data['vae_memory_per_chip']['weights_gb']:.2f}, time cache {data['vae_memory_per_chip']['cache_gb']:.2f}, "
+               f"decode activations {data['vae_memory_per_chip']['activations_gb']:.2f})"
+               if data.get("vae_memory_per_chip") else ""),
             f"  estimated {rec['estimated_seconds_per_step']:.2f} s per denoising step "
             f"({rec['estimated_seconds_per_forward']:.2f} s per DiT forward or half-step)"
             + (f" (compiled: per block {comp['per_block']['seconds'] * 1e3:.0f} ms = compute "

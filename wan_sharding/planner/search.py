@@ -57,6 +57,7 @@ class PlanReport:
     compiled_stage: bool = True
     cuts: HostCuts | None = None  # where the hosts fall (None: one host)
     rank_binding: str = ""
+    vae_memory: Any = None  # the VAE's bytes per chip when it runs on the mesh too (planner/vae.py)
 
     def estimated_seconds(self, c: Candidate) -> float | None:
         """Compiled estimate when there is one, None when tt-mlir rejected the plan, else the
@@ -139,6 +140,7 @@ class PlanReport:
             "timings_seconds": {k: round(v, 2) for k, v in self.timings.items()},
             "candidates": ranked + dups,
             "recommended": rec,
+            **({"vae_memory_per_chip": self.vae_memory.to_json()} if self.vae_memory is not None else {}),
         }
 
 
@@ -240,7 +242,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                   work_dir: str | Path | None = None, timeout: float = 900.0, max_rounds: int = 3,
                   keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = False,
                   progress: Callable[[str], None] | None = None, rank_binding_name: str | None = None,
-                  text_encoder: bool = False) -> PlanReport:
+                  text_encoder: bool = False, vae: bool = False) -> PlanReport:
     """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
 
     Args:
@@ -270,6 +272,11 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         text_encoder: the pipeline's UMT5 text encoder is on the mesh too (``shard_pipeline(...,
             text_encoder=True)``): its weights count in each chip's memory, and a plan it cannot be
             sharded on is illegal.
+        vae: the pipeline's VAE runs on the mesh too (``--vae mesh``): its weights, time cache and
+            decode working set (:func:`.vae.vae_memory_per_chip`) come off every chip's budget
+            beside the experts'. Counted whole for the denoising too (the VAE stays resident; its
+            working set is ~0.1-0.5 GB per chip), so a plan is never one that fits only while the
+            VAE is idle.
 
     Returns:
         A :class:`PlanReport`.
@@ -308,7 +315,14 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
     timings["model"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     rejected = (lambda s: f"tt-mlir rejects a {s[0]}x{s[1]} mesh" if tt_mlir_rejects(s) else "") if compile else None
-    cands = build_candidates(work, shape, chip.usable_dram_bytes, lambda p: weight_bytes_per_expert(work.variant, p),
+    vae_memory = None
+    if vae:
+        from ..models import VAE_OF_VARIANT
+        from .vae import vae_memory_per_chip
+
+        vae_memory = vae_memory_per_chip(VAE_OF_VARIANT[work.variant], shape[0] * shape[1], work.resolution or "480p")
+    budget = chip.usable_dram_bytes - (vae_memory.total if vae_memory is not None else 0.0)
+    cands = build_candidates(work, shape, budget, lambda p: weight_bytes_per_expert(work.variant, p),
                              attention, PHYSICAL_AXIS_NAMES, keep, cfg_split, rejected,
                              text_encoder_weight_bytes if text_encoder else None)
     ordered = stage1(work, cands, chip, fabric, cuts)
@@ -318,7 +332,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         f"stage 1: {len(cands)} candidates, none legal")
     if not ordered:
         return PlanReport(work, chip, fabric, cands, _rank(cands, []), None, top, attention, timings, compile, cuts,
-                          binding.name if binding else "")
+                          binding.name if binding else "", vae_memory)
     compiled_list: list[Candidate] = []
     if compile:
         t2 = time.perf_counter()
@@ -361,7 +375,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         recommended = ordered[0]
     timings["total"] = time.perf_counter() - t0
     return PlanReport(work, chip, fabric, cands, _rank(cands, ordered), recommended, top, attention, timings, compile,
-                      cuts, binding.name if binding else "")
+                      cuts, binding.name if binding else "", vae_memory)
 
 
 def _rank(cands: Sequence[Candidate], ordered: Sequence[Candidate]) -> list[Candidate]:

@@ -82,12 +82,14 @@ class Resident:
         on_mesh = self.text_encoder == "mesh"
         if plan is not None:
             self.handle = shard_pipeline(self.pipe, plan_mesh_arg(config["backend"], plan), backend=config["backend"],
-                                         plan=plan, patches=config.get("patches") or (), text_encoder=on_mesh)
+                                         plan=plan, patches=config.get("patches") or (), text_encoder=on_mesh,
+                                         vae=config.get("vae") == "mesh")
         else:
             mesh = (mesh_from_dict(config["replica_mesh"]) if config.get("replica_mesh")
                     else mesh_arg(config["backend"], config["mesh"]))
             self.handle = shard_pipeline(self.pipe, mesh, backend=config["backend"], padding=config["padding"],
-                                         patches=config.get("patches") or (), text_encoder=on_mesh)
+                                         patches=config.get("patches") or (), text_encoder=on_mesh,
+                                         vae=config.get("vae") == "mesh")
         self.i2v = image_pipeline(self.pipe)  # after sharding: it shares the sharded experts
         self.prompts = None  # each prompt's embedding once: from here on, by the encoder where it now runs
         if self.pipe.text_encoder is not None:

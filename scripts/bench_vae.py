@@ -1,0 +1,137 @@
+"""The VAE on the mesh, measured side by side in one run: host vs sharded decode on CPU, the
+compiled bills of one decode step through tt-mlir (the package's halo beside its alternatives),
+the CPU PCC matrix, and the per-video stage estimates beside tt-metal's published figures.
+
+1. CPU (``profile --what vae``): the tiny VAE of each pipeline decoding a latent of
+   ``--latent`` (default 3 latent frames of 16x24, a 128x192 video) on the host and sharded on
+   each mesh, per latent frame. A CPU comparison only: the mesh's virtual devices share the host's
+   cores, so this says what sharding costs on a CPU, not what a chip does.
+2. Compile-only (``compile --component vae``): the real Wan 2.1 VAE (A14B) on meta weights, one
+   decode step of a latent frame at 480p and 720p on 2x4 and 8x4, with each strategy (``halo``,
+   ``halo-permute``, ``annotate``, ``channels``) through torchax and ``halo`` through torch-xla too
+   (real, uninitialised weights); the Wan 2.2 VAE (TI2V-5B) with ``halo``.
+3. The CPU PCC matrix (``check --component vae``: both VAEs, decode and encode, padded and not, on
+   1x4, 2x4 and 8x4, jax and xla): what the suite's ``slow`` VAE test checks, in full.
+4. The stage table (``planner/vae.py``): text encoder, denoising and VAE per video for BH 2x4 480p,
+   BH Galaxy 720p and BH 4x32 720p beside tt-metal's bounds and measured figures.
+
+    python scripts/bench_vae.py                 # everything (~30 min on a 2-core host)
+    python scripts/bench_vae.py --skip-check --skip-compile
+
+Writes ``results/vae.json`` (1-3) and ``results/stages.json`` (4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
+
+MESHES = ("2x4", "8x4")
+STRATEGIES = ("halo", "halo-permute", "annotate", "channels")
+
+
+def cpu_rows(latent: str, meshes: list[str]) -> list[dict]:
+    from wan_sharding.jobs.profile import run_profile
+
+    rows = []
+    for variant in ("t2v-a14b", "ti2v-5b"):
+        for mesh in meshes:
+            params = {"backend": "jax", "mesh": mesh, "what": ["vae"], "variant": variant, "warmup": 1, "iters": 2,
+                      "latent": latent, "resolution": "tiny", "dtype": "fp32"}
+            run = run_profile(params, echo=False)
+            if not run.ok:
+                raise SystemExit(f"profile worker failed:\n{run.output[-3000:]}")
+            rows += run.results
+            r = run.results[-1]
+            print(f"cpu  {r['vae']} {mesh}: host {r['host_per_frame_s']:.3f} s/latent frame, sharded "
+                  f"{r['per_frame_s']:.3f} s/latent frame (first call {r['first_iter_s']:.1f} s)", flush=True)
+    return rows
+
+
+def compile_rows(arch: str) -> list[dict]:
+    from wan_sharding.cli.vae import format_vae_reports
+    from wan_sharding.compile.vae import VaeCompileRequest, compile_vae
+
+    reports = []
+    for resolution in ("480p", "720p"):
+        for mesh in MESHES:
+            reqs = [VaeCompileRequest("wan2.1", mesh, resolution, s) for s in STRATEGIES]
+            reqs.append(VaeCompileRequest("wan2.1", mesh, resolution, "halo", frontend="torch-xla"))
+            reqs.append(VaeCompileRequest("wan2.2", mesh, resolution, "halo"))
+            out = compile_vae(reqs, arch)
+            for r in out:
+                r.pop("ttnn_path", None)
+                r.pop("out_dir", None)
+            for group in (out[:4], out[4:5], out[5:]):
+                print(format_vae_reports(group), flush=True)
+            reports += out
+    return reports
+
+
+def check_rows() -> list[dict]:
+    from wan_sharding.cli.vae import CHECK_CASES
+    from wan_sharding.jobs.vae_check import VaeCase, run_in_subprocess
+
+    rows = []
+    for backend in ("jax", "xla"):
+        for mesh in ("1x4", "2x4", "8x4"):
+            cases = [VaeCase.parse(c.format(vae=k, dtype=d)) for k in ("wan2.1", "wan2.2") for d in ("fp32", "bf16")
+                     for c in CHECK_CASES]
+            for r in run_in_subprocess(backend, mesh, cases):
+                rows.append(r)
+                print(f"check {backend} {mesh} {r['case']}: PCC {r['pcc']:.9f} max|diff| {r['max_abs']:.2e} "
+                      f"{'ok' if r['ok'] else 'FAIL'}", flush=True)
+    return rows
+
+
+def main() -> int:
+    install_signal_handlers()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--latent", default="3,16,24", help="the CPU comparison's latent F,H,W (default 3,16,24)")
+    ap.add_argument("--arch", default="wormhole_b0", choices=["wormhole_b0", "blackhole"])
+    ap.add_argument("--skip-cpu", action="store_true")
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    args = ap.parse_args()
+    command = "python scripts/bench_vae.py " + " ".join(sys.argv[1:])
+    date = datetime.date.today().isoformat()
+    t0 = time.perf_counter()
+
+    from wan_sharding.planner.vae import stage_table
+
+    stages = stage_table()
+    for r in stages:
+        s = r["stages"]
+        print(f"stages {r['system']} {r['resolution']}: text encoder {s['text_encoder']['seconds']:.3f} s, denoising "
+              f"{s['denoising']['seconds']:.0f} s, VAE {s['vae']['seconds']:.2f} s (tt-metal bounds "
+              f"{r['tt_metal_bound_s']}, measured {r['tt_metal_measured_s']})", flush=True)
+    host = {"machine": platform.machine(), "cpus": __import__("os").cpu_count(), "python": platform.python_version()}
+    atomic_write(Path(args.out) / "stages.json", json.dumps(
+        {"command": command, "date": date, "host": host, "rows": stages}, indent=1) + "\n")
+    result = {"command": command, "date": date, "host": host, "arch": args.arch}
+    if not args.skip_cpu:
+        result["cpu"] = cpu_rows(args.latent, list(MESHES))
+    if not args.skip_compile:
+        result["compile"] = compile_rows(args.arch)
+    if not args.skip_check:
+        result["check"] = check_rows()
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    atomic_write(Path(args.out) / "vae.json", json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}/vae.json and stages.json in {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The VAE's side of the commands: ``check --component vae``, ``compile --component vae`` and the
+``--vae mesh|host`` option of ``generate``, ``serve`` and ``check`` (arguments and printing only).
+
+``--vae`` defaults per backend (:func:`vae_placement`): ``mesh`` on ``tt``, where the sharded decode
+is what turns minutes of host decode after denoising into seconds; ``host`` on the CPU backends,
+where a host decode is the reference itself and the mesh's virtual devices share the same cores,
+so a sharded decode only adds the halo work and collectives to the same CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from ..models import VAE_KINDS
+from .args import stack_missing
+
+VAE_PLACEMENTS = ("mesh", "host")
+# check --component vae: each mesh's cases (latent F,H,W: 3 frames, so the time cache is carried
+# over two steps; 5x8 is a frame 2 and 8 do not divide, padded and masked).
+CHECK_CASES = ("{vae}:decode:3,5,8:{dtype}", "{vae}:decode:3,8,8:{dtype}", "{vae}:encode:2,5,8:{dtype}")
+
+
+def add_vae_placement(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--vae", default=None, choices=list(VAE_PLACEMENTS),
+                    help="where the VAE runs: mesh (sharded over H and W) or host (default: mesh on tt, host on the "
+                         "CPU backends, where the virtual devices share the host's cores)")
+
+
+def vae_placement(value: str | None, backend: str) -> str:
+    """``--vae`` as given, else the backend's default (see the module docstring)."""
+    return value if value is not None else ("mesh" if backend == "tt" else "host")
+
+
+# ---- check --component vae ----------------------------------------------------------------------
+
+
+def check_vae(args: argparse.Namespace, echo: bool | None = None) -> int:
+    """The VAE's PCC matrix: both VAEs (or ``--vae-kind``), decode and encode, on each mesh and backend.
+    ``echo``: print the rows (default: unless ``--json``); the JSON document is printed only when
+    the VAE is the command's component."""
+    from ..jobs.pcc import PCC_THRESHOLDS, grade
+    from ..jobs.vae_check import VaeCase, run_in_subprocess
+
+    if stack_missing(args.backends):
+        return 1
+    kinds = [args.vae_kind] if getattr(args, "vae_kind", None) else list(VAE_KINDS)
+    cases = [VaeCase.parse(c.format(vae=k, dtype=args.dtype)) for k in kinds for c in CHECK_CASES]
+    echo = not args.json if echo is None else echo
+    rows: list[dict[str, Any]] = []
+    failed = False
+    start = time.perf_counter()
+    for backend in args.backends:
+        for mesh in args.meshes or ("1x4", "2x4", "8x4"):
+            for r in run_in_subprocess(backend, mesh, cases):
+                failed |= not r["ok"]
+                rows.append(r)
+                if echo:
+                    print_row(r, header=len(rows) == 1)
+    if not echo:
+        if args.component == "vae":
+            print(json.dumps({"results": rows, "ok": not failed}, indent=1))
+    else:
+        limits = "; ".join(f"{d} {grade('jax', d)}" for d in PCC_THRESHOLDS)
+        print(f"\n{len(rows)} VAE checks in {time.perf_counter() - start:.0f} s: "
+              + (f"all within bounds ({limits})" if not failed else "SOME FAILED"))
+    return 1 if failed else 0
+
+
+def print_row(r: dict[str, Any], header: bool) -> None:
+    if header:
+        print(f"{'backend':7} {'mesh':5} {'vae':6} {'part':6} {'dtype':5} {'latent':>7} {'frame':>11} "
+              f"{'PCC':>12} {'max|diff|':>9}  split                  halo convs")
+    frame = "x".join(map(str, r["frame"]))
+    if r["padded"] != r["frame"]:
+        frame += "->" + "x".join(map(str, r["padded"]))
+    print(f"{r['backend']:7} {r['mesh']:5} {r['vae']:6} {r['part']:6} {r['dtype']:5} {r['latent']:>7} {frame:>11} "
+          f"{r['pcc']:12.9f} {r['max_abs']:9.2e}  {r['split']:22} {r['halo_modules']}"
+          f"{'' if r['ok'] else '  <-- FAIL'}", flush=True)
+
+
+# ---- compile --component vae --------------------------------------------------------------------
+
+COMPILE_STRATEGIES = ("halo", "halo-permute", "annotate", "channels")
+
+
+def compile_vae(args: argparse.Namespace) -> int:
+    """tt-mlir compile-only of one decode step of the real VAE; with ``--strategy all`` the package's
+    halo beside its alternatives, bill by bill."""
+    from ..compile import CompileError
+    from ..compile.vae import VaeCompileRequest, compile_vae as run
+    from ..workers import atomic_write
+
+    strategy = args.strategy or "halo"
+    strategies = list(COMPILE_STRATEGIES) if strategy == "all" else [strategy]
+    kind = args.vae_kind or "wan2.1"
+    reqs = [VaeCompileRequest(kind=kind, mesh=args.mesh, resolution=args.resolution, strategy=s, dtype=args.dtype,
+                              frontend=args.frontend) for s in strategies]
+    t0 = time.perf_counter()
+    try:
+        reports = run(reqs, args.arch, timeout=args.timeout, keep_irs=args.out)
+    except CompileError as e:
+        print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    report = {"component": "vae", "reports": reports, "wall_seconds": round(time.perf_counter() - t0, 2),
+              "ok": all(r.get("ok") for r in reports), "bill_ok": reports[0].get("bill_ok", False)}
+    if args.out:
+        from pathlib import Path
+
+        atomic_write(Path(args.out) / "report.json", json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_vae_reports(reports))
+        print(f"(wall time with process start-up: {report['wall_seconds']:.0f} s)")
+    if not report["ok"]:
+        return 2
+    return 0 if report["bill_ok"] else 1
+
+
+def format_vae_reports(reports: list[dict[str, Any]]) -> str:
+    """One line per strategy: the bill's figures side by side, then each refusal."""
+    from ..compile.ttnn_ir import format_bytes
+
+    lines = [f"{'strategy':13} {'ok':3} {'collectives':>11} {'largest':>10} {'frame limit':>11} {'halo bytes':>10} "
+             f"{'all bytes':>10} {'runtime ops':>11}  bill"]
+    for r in reports:
+        req = r["request"]
+        if not r.get("ok"):
+            lines.append(f"{req['strategy']:13} no  tt-mlir refused it: {(r.get('error') or '')[:300]}")
+            continue
+        n = r["collective_count"]
+        lines.append(f"{req['strategy']:13} yes {n:>11} {format_bytes(r['largest_collective_bytes']):>10} "
+                     f"{format_bytes(r['frame_limit_bytes']):>11} {format_bytes(r['halo_bytes']):>10} "
+                     f"{format_bytes(r['collective_bytes']):>10} {r['runtime_ops']:>11}  "
+                     f"{'ok' if r['bill_ok'] else 'OVER: ' + '; '.join(r['bill_problems'][:2])}")
+    head = reports[0]["request"]
+    return (f"VAE {head['kind']} decode step, one latent frame at {head['resolution']} on {head['mesh']} ({head['dtype']}, "
+            f"{head['frontend']} frontend):\n" + "\n".join(lines))
+
+
+def add_vae_compile_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--vae-kind", choices=list(VAE_KINDS), default=None,
+                   help="with --component vae: wan2.1 (A14B's VAE, default) or wan2.2 (TI2V-5B's)")
+    c.add_argument("--strategy", choices=[*COMPILE_STRATEGIES, "all"], default=None,
+                   help="with --component vae: the package's halo (default), an alternative, or all side by side")

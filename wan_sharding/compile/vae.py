@@ -1,0 +1,275 @@
+"""tt-mlir compile-only of the sharded VAE: one decode step (a latent frame) through the real
+compiler, and its collective bill.
+
+The VAE is built at its real config on the ``meta`` device (weights are shape stand-ins), sharded
+with ``shard_vae`` on the tt devices of a system descriptor, and the first latent frame's decode
+step (:mod:`wan_sharding.vae.programs`: what ``handle.decode`` runs for a one-frame latent) is
+lowered through torchax and compiled by ``jax-tt-plugin``. The TTNN module is read with the one
+TTNN parser (:mod:`.ttnn_ir`); the bill rule for a decode step (``vae_bill``): no collective may move
+more than one latent-resolution frame (the mid-block attention's gather); every other collective
+is a halo (a few boundary rows).
+
+The worker (``python -m wan_sharding.compile.vae``) runs in its own process with the descriptor
+set before JAX starts, as the DiT's compile worker does (:mod:`.runner`).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..mesh import mesh_from_preset
+from ..models import vae_config
+from .request import CompileError
+
+# The video frames of the two resolutions (height, width), as the Wan 2.2 pipelines make them.
+PIXELS = {"480p": (480, 832), "720p": (720, 1280)}
+# The collective kinds of a TTNN module (``ttnn_ir.Collective.kind``) that a halo exchange may use.
+HALO_KINDS = ("all_gather", "point_to_point")
+# Kinds the parser lists beside the collectives that move nothing between chips: ``mesh_partition``
+# keeps each chip's own piece of a replicated tensor (a local slice).
+LOCAL_KINDS = ("mesh_partition",)
+
+
+@dataclass(frozen=True)
+class VaeCompileRequest:
+    """One compile: the VAE ``kind`` at its real config, the ``mesh``, a ``resolution`` (its latent
+    frame) and the ``strategy``."""
+
+    kind: str = "wan2.1"
+    mesh: str = "2x4"
+    resolution: str = "480p"
+    strategy: str = "halo"
+    dtype: str = "bf16"
+    frontend: str = "torchax"  # or "torch-xla": traced lazily with real (uninitialised) weights
+
+    def latent_hw(self) -> tuple[int, int]:
+        """The latent frame of the resolution's video for this VAE (8x or 16x spatial compression)."""
+        h, w = PIXELS[self.resolution]
+        scale = vae_config(self.kind, "full").get("scale_factor_spatial", 8)
+        return h // scale, w // scale
+
+    def label(self) -> str:
+        return f"vae {self.kind} {self.mesh} {self.resolution} {self.strategy} {self.frontend}"
+
+
+def frame_bytes(req: VaeCompileRequest) -> int:
+    """Bytes of one latent-resolution frame at the mid block's width, as it lies on the mesh (H and W
+    padded to whole shards): what the mid-block attention gathers."""
+    cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(req.kind, "full")}
+    base = cfg["decoder_base_dim"] or cfg["base_dim"]
+    mesh = mesh_from_preset(req.mesh)
+    h, w = (-(-size // n) * n for size, n in zip(req.latent_hw(), mesh.shape))
+    return base * cfg["dim_mult"][-1] * h * w * (2 if req.dtype == "bf16" else 4)
+
+
+def vae_bill(collectives: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """The bill of one decode step: the largest collective, the halo bytes (every collective below
+    the frame limit of a halo kind), and whether it holds (nothing above ``limit`` bytes). Local
+    ops (``LOCAL_KINDS``) are counted apart and move nothing."""
+    local = sum(c["count"] for c in collectives if c["kind"] in LOCAL_KINDS)
+    collectives = [c for c in collectives if c["kind"] not in LOCAL_KINDS]
+    largest = max((c["bytes"] for c in collectives), default=0)
+    halos = [c for c in collectives if c["kind"] in HALO_KINDS and c["bytes"] < limit]
+    problems = [f"{c['kind']} of {c['bytes']} bytes ({c['result']}) moves more than one latent frame ({limit} bytes)"
+                for c in collectives if c["bytes"] > limit]
+    return {"largest_collective_bytes": largest, "frame_limit_bytes": limit,
+            "halo_bytes": sum(c["bytes"] * c["count"] for c in halos),
+            "halo_collectives": sum(c["count"] for c in halos),
+            "collective_bytes": sum(c["bytes"] * c["count"] for c in collectives),
+            "collective_count": sum(c["count"] for c in collectives), "local_slices": local,
+            "bill_ok": not problems, "bill_problems": problems}
+
+
+# ---- parent side --------------------------------------------------------------------------------
+
+
+def compile_vae(requests: list[VaeCompileRequest], arch: str = "wormhole_b0", timeout: float = 3600.0,
+                keep_irs: str | None = None) -> list[dict[str, Any]]:
+    """Compile ``requests`` in one worker; a report per request (the worker's result plus the bill)."""
+    from ..workers import WorkerError, run_worker
+    from .bill import collective_table
+    from .runner import check_plugin, prepare_descriptor, private_tmpdir, remove_assets, trace_env, worker_env
+    from .ttnn_ir import TTNNModule
+
+    check_plugin()
+    chips = max(mesh_from_preset(r.mesh).num_devices for r in requests)
+    with tempfile.TemporaryDirectory(prefix="wan_vae_compile_") as work:
+        work_dir = Path(work)
+        desc = prepare_descriptor(arch, chips, work_dir)
+        tmp = private_tmpdir(work_dir)
+        out_root = Path(keep_irs) if keep_irs else work_dir / "irs"
+        params = {"requests": [asdict(r) for r in requests], "out_root": str(out_root), "stage": "compile"}
+        xla = [i for i, r in enumerate(requests) if r.frontend == "torch-xla"]
+        if xla:  # the torch-xla frontend: traced on CPU devices first, in a process of its own
+            traced = run_worker("wan_sharding.compile.vae", {**params, "stage": "trace", "only": xla},
+                                trace_env(chips), label="VAE torch-xla trace worker", timeout=timeout)
+            for i, t in zip(xla, traced.results):
+                params["requests"][i]["traced"] = t
+        try:
+            run = run_worker("wan_sharding.compile.vae", params, worker_env(desc, tmp), label="VAE compile worker",
+                             timeout=timeout, stall_s=None)
+        finally:
+            remove_assets(tmp)
+        if not run.results:
+            raise WorkerError(f"the VAE compile worker gave no result (exit {run.returncode}):\n{run.output[-4000:]}")
+        reports = []
+        for req, raw in zip(requests, run.results):
+            report = {"request": asdict(req), "arch": arch, **raw}
+            if raw.get("ok") and raw.get("ttnn_path"):
+                module = TTNNModule.from_file(raw["ttnn_path"])
+                table = collective_table(module, mesh_from_preset(req.mesh))
+                report.update(collectives=table, runtime_ops=len(module.runtime_ops()),
+                              **vae_bill(table, frame_bytes(req)))
+            reports.append(report)
+        return reports
+
+
+# ---- worker side --------------------------------------------------------------------------------
+
+
+def _compile_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import torchax
+    from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
+
+    from ..backends.jax import JaxBackend
+    from ..models import build_vae
+    from ..options import torch_dtype
+    from ..vae import shard_vae
+
+    t0 = time.perf_counter()
+    mesh = mesh_from_preset(req.mesh)
+    backend = JaxBackend(mesh, devices=list(jax.devices()[: mesh.num_devices]))
+    vae = build_vae(req.kind, "full", device="meta", dtype=torch_dtype(req.dtype))
+    handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy)
+    try:
+        step = handle.first_step("decode")
+        env = torchax.default_env()
+
+        def program(state: dict, z: Any) -> Any:
+            state, z = env.j2t_iso((state, z))
+            with env, _reparametrize_module(vae, state):
+                return env.t2j_iso(step(vae, z)[0])  # the frame (the cache outputs are not needed here)
+
+        h, w = req.latent_hw()
+        act = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[req.dtype]
+        z = jax.ShapeDtypeStruct((1, vae.config.z_dim, 1, h, w), act, sharding=backend.sharding(()))
+        lowered = jax.jit(program).lower(handle.placed, z)
+        t1 = time.perf_counter()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        result: dict[str, Any] = {"out_dir": str(out_dir), "lower_seconds": round(t1 - t0, 2),
+                                  "halo_modules": len(handle.hooks.halo_modules)}
+        try:
+            lowered.compile(compiler_options={"export_path": str(out_dir)})
+            result["ok"] = True
+        except Exception as e:  # tt-mlir's refusal, as the plugin raises it
+            result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
+        result["compile_seconds"] = round(time.perf_counter() - t1, 2)
+        return _with_ttnn(result, out_dir)
+    finally:
+        handle.remove()
+
+
+def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
+    """The torch-xla frontend: the first decode step traced lazily with torch-xla SPMD on CPU
+    devices (uninitialised weights: a compile reads shapes, never values), its GSPMD module
+    converted to Shardy as Tenstorrent's torch-xla does, written for the compile worker."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from .. import workers
+    from ..backends.xla import XlaBackend, enable_spmd
+    from ..models import build_vae
+    from ..options import torch_dtype
+    from ..vae import shard_vae
+    from .shardy import gspmd_to_shardy
+
+    enable_spmd()
+    t0 = time.perf_counter()
+    mesh = mesh_from_preset(req.mesh)
+    dtype = torch_dtype(req.dtype)
+    vae = build_vae(req.kind, "full", device="meta", dtype=dtype).to_empty(device="cpu")
+    backend = XlaBackend(mesh)
+    handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy, keep_host_weights=False)
+    try:
+        step = handle.first_step("decode")
+        h, w = req.latent_hw()
+        z = torch.zeros(1, vae.config.z_dim, 1, h, w, dtype=dtype).to(backend.device)
+        torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)  # scalars inlined, as torch-xla exports
+        try:
+            with torch.no_grad():
+                out = step(vae, z)[0]
+            gspmd = xm.get_stablehlo([out])
+        finally:
+            torch_xla._XLAC._set_xla_all_numbers_special_scalars(False)
+        shardy = gspmd_to_shardy(gspmd, mesh.shape, mesh.axis_names)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = workers.atomic_write(out_dir / "stablehlo_shardy.mlir", shardy)
+        return {"ok": True, "stablehlo_path": str(path), "trace_seconds": round(time.perf_counter() - t0, 2)}
+    finally:
+        handle.remove()
+
+
+def _compile_traced(req: VaeCompileRequest, traced: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    from .tt_client import compile_stablehlo_text
+
+    result: dict[str, Any] = {"out_dir": str(out_dir), "lower_seconds": traced.get("trace_seconds"),
+                              "halo_modules": None}
+    if not traced.get("ok"):
+        return {**result, "ok": False, "error": traced.get("error")}
+    t1 = time.perf_counter()
+    try:
+        compile_stablehlo_text(Path(traced["stablehlo_path"]).read_text(), mesh_from_preset(req.mesh).num_devices,
+                               out_dir, None)
+        result["ok"] = True
+    except Exception as e:  # tt-mlir's refusal, as the plugin raises it
+        result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
+    result["compile_seconds"] = round(time.perf_counter() - t1, 2)
+    return _with_ttnn(result, out_dir)
+
+
+def _with_ttnn(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    ttnn = sorted((out_dir / "irs").glob("ttnn_[0-9]*.mlir"))
+    result["ttnn_path"] = str(ttnn[-1]) if ttnn else None
+    if result["ok"] and not ttnn:
+        result.update(ok=False, error=f"compiled but no TTNN IR was exported under {out_dir}/irs")
+    return result
+
+
+def _job(params: dict[str, Any]):
+    out_root = Path(params["out_root"])
+    name = lambda i, r: out_root / f"{i}-{r.kind}-{r.mesh}-{r.resolution}-{r.strategy}-{r.frontend}"  # noqa: E731
+    if params["stage"] == "trace":  # torch-xla on CPU devices: no JAX, no plugin here
+        for i in params["only"]:
+            req = VaeCompileRequest(**{k: v for k, v in params["requests"][i].items() if k != "traced"})
+            try:
+                yield _trace_one(req, name(i, req))
+            except Exception as e:
+                yield {"ok": False, "error": f"torch-xla trace failed: {type(e).__name__}: {e}"[:8000]}
+        return
+    import jax
+
+    devices = jax.devices()
+    if devices[0].platform != "tt":
+        raise CompileError(f"JAX platform is {devices[0].platform!r}, not 'tt': TT_COMPILE_ONLY_SYSTEM_DESC was not honoured")
+    for i, raw in enumerate(params["requests"]):
+        traced = raw.get("traced")
+        req = VaeCompileRequest(**{k: v for k, v in raw.items() if k != "traced"})
+        try:
+            yield (_compile_traced(req, traced, name(i, req)) if traced is not None
+                   else _compile_one(req, name(i, req)))
+        except Exception as e:  # a setup error: reported, the next request goes on
+            yield {"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}
+
+
+if __name__ == "__main__":
+    from ..workers import worker_main
+
+    sys.exit(worker_main(_job))

@@ -1,0 +1,148 @@
+"""The VAE's PCC check: ``shard_vae``'s decode and encode against the VAE's own, on CPU virtual
+meshes (``xla``, ``jax``) or Tenstorrent chips (``tt``).
+
+The same worker path as the DiT's check (:mod:`.check`): one worker per backend and mesh runs
+every case, each graded by :func:`~wan_sharding.jobs.pcc.grade`. A case is a tiny random-weight
+``AutoencoderKLWan`` of the real structure (``models.TINY_VAE_CONFIGS``), a part (decode or
+encode), a latent size and a dtype; the worker keeps one sharded VAE per kind, dtype and strategy
+for all its cases.
+
+CPU workers compile at XLA's backend optimization level 0 (:data:`FAST_COMPILE`): a tiny VAE's
+step is ~2500 small ops, whose LLVM optimization costs ~7x the rest of the compile (jax, 2x4:
+8.5 s -> 1.2 s) and nothing that shows at these sizes. The grade is the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+from ..workers import WorkerError, run_worker, worker_main
+from .launch import prepare_worker, stall_seconds, worker_env
+from .pcc import compare, grade
+
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+PARTS = ("decode", "encode")
+
+
+@dataclass(frozen=True)
+class VaeCase:
+    """One comparison: ``vae`` kind, ``part``, latent ``frames,height,width`` (an encode's video has
+    ``4 * (frames - 1) + 1`` frames of ``height x width`` latent rows times the VAE's compression),
+    ``dtype``, the sharding ``strategy`` and the halo ``exchange`` (``none``: no neighbour rows,
+    each shard convolved alone: wrong at the shard borders, the case that shows the grade fails)."""
+
+    vae: str = "wan2.1"
+    part: str = "decode"
+    latent: str = "3,5,8"
+    dtype: str = "fp32"
+    strategy: str = "halo"
+    exchange: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        f, h, w = (int(v) for v in self.latent.split(","))
+        return f, h, w
+
+    @classmethod
+    def parse(cls, text: str) -> "VaeCase":
+        return cls(*text.split(":"))
+
+    def __str__(self) -> str:
+        parts = [self.vae, self.part, self.latent, self.dtype, self.strategy, self.exchange]
+        while parts[-1] in ("", "halo") and len(parts) > 4:
+            parts.pop()
+        return ":".join(parts)
+
+
+def run_in_subprocess(backend: str, mesh: str, cases: Iterable[VaeCase], timeout: float = 3600) -> list[dict[str, Any]]:
+    """Run ``cases`` for one backend on one mesh in a fresh process; the result dicts, each graded
+    (``ok``, ``threshold``, ``max_abs_bound``) as the DiT's check grades its rows."""
+    from ..mesh import mesh_from_preset
+
+    env = worker_env(backend, mesh_from_preset(mesh).num_devices)
+    if backend != "tt" and FAST_COMPILE not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    params = {"backend": backend, "mesh": mesh, "cases": [str(c) for c in cases]}
+    run = run_worker("wan_sharding.jobs.vae_check", params, env, label=f"{backend} VAE check worker on {mesh}",
+                     timeout=timeout, stall_s=stall_seconds(backend))
+    if not run.ok:
+        raise WorkerError(f"{backend} VAE worker on {mesh} failed (exit {run.returncode}):\n{run.output[-4000:]}")
+    for r in run.results:
+        g = grade(backend, r["dtype"])
+        r["threshold"], r["max_abs_bound"] = g.pcc, g.max_abs
+        r["ok"] = g.passes(r["pcc"], r["max_abs"])
+    return run.results
+
+
+def case_inputs(vae: Any, case: VaeCase, seed: int = 1) -> Any:
+    """The random latents (decode) or video (encode) of ``case`` for ``vae``."""
+    import torch
+
+    from ..options import torch_dtype
+
+    frames, h, w = case.shape
+    g = torch.Generator().manual_seed(seed)
+    if case.part == "decode":
+        x = torch.randn(1, vae.config.z_dim, frames, h, w, generator=g)
+    else:
+        s = vae.config.scale_factor_spatial
+        x = torch.rand(1, 3, 4 * (frames - 1) + 1, h * s, w * s, generator=g) * 2 - 1
+    return x.to(torch_dtype(case.dtype))
+
+
+def run_case(handle: Any, reference_vae: Any, case: VaeCase) -> dict[str, Any]:
+    """The unsharded and sharded call of ``case``, compared."""
+    import torch
+
+    x = case_inputs(reference_vae, case)
+    with torch.no_grad():
+        if case.part == "decode":
+            reference = reference_vae.decode(x).sample
+        else:
+            reference = reference_vae.encode(x).latent_dist.parameters
+    start = time.perf_counter()
+    out = handle.decode(x).sample if case.part == "decode" else handle.encode(x).latent_dist.parameters
+    seconds = time.perf_counter() - start
+    frame = handle.plan_decode(tuple(x.shape)) if case.part == "decode" else handle.plan_encode(tuple(x.shape))
+    value, max_abs = compare(reference, out)
+    info = handle.describe()
+    return {"backend": handle.backend.name, "mesh": handle.mesh.name, "case": str(case), **asdict(case),
+            "shape": list(out.shape), "pcc": value, "max_abs": max_abs, "seconds": round(seconds, 2),
+            "frame": list(frame.logical), "padded": list(frame.padded), "split": info.get("frame_split", "-"),
+            "halo_modules": info["halo_modules"]}
+
+
+def _job(params: dict[str, Any]):
+    import torch
+
+    from ..models import build_vae
+    from ..options import torch_dtype
+    from ..vae import shard_vae
+
+    prepare_worker(params["backend"])
+    torch.set_grad_enabled(False)
+    handles: dict[tuple, tuple] = {}
+    try:
+        for text in params["cases"]:
+            case = VaeCase.parse(text)
+            key = (case.vae, case.dtype, case.strategy, case.exchange)
+            if key not in handles:
+                reference = build_vae(case.vae, dtype=torch_dtype(case.dtype))
+                sharded = copy.deepcopy(reference)  # the device move acts on the copy
+                handles[key] = (reference, shard_vae(sharded, params["mesh"], backend=params["backend"],
+                                                     strategy=case.strategy, exchange=case.exchange or None))
+            reference, handle = handles[key]
+            yield run_case(handle, reference, case)
+    finally:
+        for _, handle in handles.values():
+            handle.remove()
+
+
+if __name__ == "__main__":
+    from ..backends import BackendError
+
+    sys.exit(worker_main(_job, expected=(BackendError,)))

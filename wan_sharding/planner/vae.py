@@ -1,0 +1,244 @@
+"""The rest of the pipeline in the planner's hardware model: the VAE's memory on the mesh beside the
+experts', and a per-video estimate of each stage (text encoder, denoising, VAE decode).
+
+Every figure comes from the same model the planner costs plans with (:mod:`.hardware`: a chip's
+peak and matmul efficiency, the fabric's collective cost) applied to counted work:
+
+- **VAE FLOPs**: counted by torch's ``FlopCounterMode`` on the real ``AutoencoderKLWan`` on the
+  ``meta`` device (no weights, no compute): the first latent frame's decode and each later one's
+  (``decode_flops``). Wan 2.1 VAE, 480p, 81 frames: 275.4 TFLOP.
+- **VAE halo**: per decode step, every 3x3 conv exchanges one row per side with its neighbours on
+  both axes (two all-gathers of the boundary rows) and the mid-block attention gathers one latent
+  frame; costed with :func:`.hardware.collective_seconds` on the mesh's own axes.
+- **Denoising**: the planner's stage-1 estimate of the best preset roles per DiT forward
+  (:func:`.analytic.estimate`), times two forwards (CFG) per step, times the steps.
+- **Text encoder**: UMT5-XXL's encoder (24 layers, d_model 4096, d_ff 10240, 512 tokens, prompt and
+  negative prompt) as dense matmul FLOPs, tensor-parallel over the mesh.
+
+Compute runs at the chip's matmul efficiency (the model's one figure, calibrated on the DiT). A
+conv3d on Tenstorrent chips reaches much less (tt-metal's own VAE: docs/pipeline-stages.md), so
+the VAE estimate is the compute-bound floor of a decode, not a prediction of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from ..mesh import mesh_from_preset
+from .hardware import chip as chip_for, collective_seconds, fabric_for
+
+BF16 = 2
+STEPS = 40  # tt-metal's Wan 2.2 performance test: 40 denoising steps, 81 frames
+FRAMES = 81
+# The video frame of each resolution (height, width), as the Wan pipelines make them.
+PIXELS = {"480p": (480, 832), "720p": (720, 1280)}
+# UMT5-XXL encoder (google/umt5-xxl; the Wan 2.2 pipelines' text_encoder): 24 layers, d_model 4096,
+# 64 heads x 64, gated FFN d_ff 10240, 512 prompt tokens.
+UMT5 = {"layers": 24, "d_model": 4096, "d_ff": 10240, "tokens": 512}
+
+
+@lru_cache(maxsize=8)
+def decode_flops(kind: str, resolution: str) -> tuple[float, float]:
+    """(first latent frame, each later latent frame): FLOPs of the VAE's decode, counted on the
+    ``meta`` device by torch's flop counter (convs and attention)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..models import build_vae
+
+    vae = build_vae(kind, "full", device="meta", dtype=torch.bfloat16)
+    h, w = latent_hw(kind, resolution)
+    counts = []
+    for frames in (1, 2):
+        z = torch.empty(1, vae.config.z_dim, frames, h, w, device="meta", dtype=torch.bfloat16)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            vae.decode(z)
+        counts.append(float(counter.get_total_flops()))
+    return counts[0], counts[1] - counts[0]
+
+
+def latent_hw(kind: str, resolution: str) -> tuple[int, int]:
+    from ..models import vae_config
+
+    h, w = PIXELS[resolution]
+    scale = vae_config(kind, "full").get("scale_factor_spatial", 8)
+    return h // scale, w // scale
+
+
+def video_flops(kind: str, resolution: str, frames: int = FRAMES) -> float:
+    first, later = decode_flops(kind, resolution)
+    return first + (1 + (frames - 1) // 4 - 1) * later
+
+
+@lru_cache(maxsize=8)
+def _decoder_shapes(kind: str, resolution: str) -> tuple[list[tuple[int, int, int]], int, int]:
+    """Every halo'd conv's input (channels, height, width) in one steady decode step, the step's
+    largest activation in elements, and its time-cache elements; from a ``meta`` run with hooks."""
+    import torch
+
+    from ..models import build_vae
+
+    vae = build_vae(kind, "full", device="meta", dtype=torch.bfloat16)
+    h, w = latent_hw(kind, resolution)
+    convs: list[tuple[int, int, int]] = []
+    largest = [0]
+
+    def seen(mod, args):
+        x = args[0]
+        largest[0] = max(largest[0], x.numel())
+        if isinstance(mod, torch.nn.Conv3d) and mod.kernel_size[1] == 3 or \
+                isinstance(mod, torch.nn.Conv2d) and mod.kernel_size[0] == 3:
+            convs.append((x.shape[1], x.shape[-2], x.shape[-1]))
+
+    handles = [m.register_forward_pre_hook(seen) for m in vae.decoder.modules()
+               if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
+    z = torch.empty(1, vae.config.z_dim, 2, h, w, device="meta", dtype=torch.bfloat16)
+    with torch.no_grad():
+        vae.clear_cache()
+        x = vae.post_quant_conv(z)
+        vae.decoder(x[:, :, :1], feat_cache=vae._feat_map, feat_idx=[0], first_chunk=True)
+        convs.clear()
+        largest[0] = 0
+        vae.decoder(x[:, :, 1:], feat_cache=vae._feat_map, feat_idx=[0])
+        cache = sum(c.numel() for c in vae._feat_map if isinstance(c, torch.Tensor))
+    for handle in handles:
+        handle.remove()
+    return convs, largest[0], cache
+
+
+@dataclass(frozen=True)
+class VaeMemory:
+    """Per-chip bytes of the VAE on the mesh (bf16): its weights (replicated), the time cache and
+    the largest activation of a decode step (split over the mesh, four such tensors live at once:
+    a conv's input, its halo'd copy, its output and the residual)."""
+
+    weights: float
+    cache: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.cache + self.activations
+
+    def to_json(self) -> dict[str, float]:
+        gb = lambda x: round(x / 1e9, 3)  # noqa: E731
+        return {"total_gb": gb(self.total), "weights_gb": gb(self.weights), "cache_gb": gb(self.cache),
+                "activations_gb": gb(self.activations)}
+
+
+def vae_memory_per_chip(kind: str, chips: int, resolution: str) -> VaeMemory:
+    """The VAE's bytes on each of ``chips`` chips while it decodes ``resolution``."""
+    import torch
+
+    from ..models import build_vae
+
+    params = sum(p.numel() for p in build_vae(kind, "full", device="meta", dtype=torch.bfloat16).parameters())
+    _, largest, cache = _decoder_shapes(kind, resolution)
+    return VaeMemory(params * BF16, cache * BF16 / chips, 4 * largest * BF16 / chips)
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """Seconds per video of one stage: compute at the model's efficiency, plus communication."""
+
+    stage: str
+    compute_s: float
+    comm_s: float
+    flops: float
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "seconds": round(self.seconds, 3), "compute_s": round(self.compute_s, 3),
+                "comm_s": round(self.comm_s, 3), "tflop": round(self.flops / 1e12, 2)}
+
+
+def _mesh_tflops(arch: str, chips: int) -> float:
+    c = chip_for(arch)
+    return c.peak_tflops * c.matmul_efficiency * chips * 1e12
+
+
+def vae_stage(kind: str, mesh: str, arch: str, resolution: str, frames: int = FRAMES) -> StageEstimate:
+    """The VAE decode of one video on ``mesh``: FLOPs over the mesh, plus each step's halo
+    all-gathers and the mid-block attention's frame gather, on the mesh's own axes."""
+    spec = mesh_from_preset(mesh)
+    fabric = fabric_for(arch, spec.shape)
+    flops = video_flops(kind, resolution, frames)
+    convs, _, _ = _decoder_shapes(kind, resolution)
+    steps = 1 + (frames - 1) // 4
+    comm = 0.0
+    for axis, n in enumerate(spec.shape):
+        if n < 2:
+            continue
+        other = spec.shape[1 - axis]
+        for c, h, w in convs:  # two boundary rows (3 time frames: cache + frame) of each shard, gathered
+            row = (w // other if axis == 0 else h // other) * c * 3 * 2 * BF16
+            comm += collective_seconds("all_gather", row, n, fabric.axis(axis), fabric).seconds
+    h, w = latent_hw(kind, resolution)
+    from ..models import vae_config
+
+    cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(kind, "full")}
+    frame = (cfg["decoder_base_dim"] or cfg["base_dim"]) * cfg["dim_mult"][-1] * h * w * BF16
+    for axis, n in enumerate(spec.shape):
+        if n > 1:
+            comm += collective_seconds("all_gather", frame / spec.num_devices, n, fabric.axis(axis), fabric).seconds
+    return StageEstimate("vae", flops / _mesh_tflops(arch, spec.num_devices), comm * steps, flops)
+
+
+def text_encoder_stage(mesh: str, arch: str) -> StageEstimate:
+    """UMT5-XXL on the prompt and the negative prompt, tensor-parallel over the mesh (compute only:
+    its all-reduces move 512 x 4096 values per layer, microseconds)."""
+    u = UMT5
+    per_token = 2 * u["layers"] * (4 * u["d_model"] ** 2 + 3 * u["d_model"] * u["d_ff"])
+    flops = 2 * per_token * u["tokens"]
+    return StageEstimate("text_encoder", flops / _mesh_tflops(arch, mesh_from_preset(mesh).num_devices), 0.0, flops)
+
+
+def denoising_stage(mesh: str, arch: str, resolution: str, variant: str = "t2v-a14b", steps: int = STEPS) -> StageEstimate:
+    """The planner's stage-1 estimate of one DiT forward with the preset's roles, x 2 (CFG) x steps."""
+    from ..plan import ShardingPlan
+    from .analytic import block_flops, estimate
+    from .workload import Workload
+
+    spec = mesh_from_preset(mesh)
+    work = Workload.build(variant, resolution)
+    plan = ShardingPlan.from_mesh(spec)
+    est = estimate(work, plan, chip_for(arch), fabric_for(arch, spec.shape))
+    forwards = 2 * steps
+    comm = sum(est.per_block.comm.values()) * work.layers * forwards
+    return StageEstimate("denoising", est.seconds_per_forward * forwards - comm, comm,
+                         block_flops(work, plan) * spec.num_devices * work.layers * forwards)
+
+
+# tt-metal's Wan 2.2 performance test (models/tt_dit/tests/models/wan2_2/test_performance_wan.py,
+# t2v_metrics): the upper bounds its CI asserts per stage, seconds, 81 frames, 40 steps.
+TT_METAL_BOUNDS = {
+    ("bh-2x4", "480p"): {"text_encoder": 0.08, "denoising": 240.0, "vae": 5.0},
+    ("bh-galaxy", "720p"): {"text_encoder": 0.1, "denoising": 140.0, "vae": 2.0},
+    ("bh-4x32", "720p"): {"text_encoder": 0.5, "denoising": 75.0, "vae": 5.0},
+}
+# The same stages as measured in tt-metal pull requests (VAE only): #41873 (BH 2x4 480p 2.5 -> 1.5 s),
+# #45975 (BH Galaxy 720p, traced decode 559 -> 479 ms).
+TT_METAL_MEASURED = {("bh-2x4", "480p"): {"vae": 1.5}, ("bh-galaxy", "720p"): {"vae": 0.479}}
+# The systems of the stage table: (label, mesh preset, arch).
+SYSTEMS = {"bh-2x4": ("2x4", "blackhole"), "bh-galaxy": ("8x4", "blackhole"), "bh-4x32": ("4x32-tt-metal", "blackhole")}
+
+
+def stage_table(kind: str = "wan2.1", variant: str = "t2v-a14b") -> list[dict[str, Any]]:
+    """Per system and resolution of :data:`TT_METAL_BOUNDS`: each stage's estimate beside tt-metal's
+    bound (and measured figure where published), and the VAE's memory per chip."""
+    rows = []
+    for (system, resolution), bounds in TT_METAL_BOUNDS.items():
+        mesh, arch = SYSTEMS[system]
+        stages = [text_encoder_stage(mesh, arch), denoising_stage(mesh, arch, resolution, variant),
+                  vae_stage(kind, mesh, arch, resolution)]
+        rows.append({"system": system, "mesh": mesh, "arch": arch, "resolution": resolution,
+                     "stages": {s.stage: s.to_json() for s in stages},
+                     "tt_metal_bound_s": bounds, "tt_metal_measured_s": TT_METAL_MEASURED.get((system, resolution), {}),
+                     "vae_memory_per_chip": vae_memory_per_chip(kind, mesh_from_preset(mesh).num_devices,
+                                                                resolution).to_json()})
+    return rows

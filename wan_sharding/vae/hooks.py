@@ -1,0 +1,241 @@
+"""The VAE's per-instance hooks: each conv on a split frame gets its halo, the mid-block attention
+gathers the frame, and every hook is undone by ``remove()``.
+
+What each module gets (``strategy="halo"``; diffusers 0.42.1's ``autoencoder_kl_wan.py``):
+
+| module | instance attribute set | pre-hook | post-hook |
+|---|---|---|---|
+| ``WanCausalConv3d`` with a 3x3 spatial kernel | ``_padding`` all zero (the hook pads) | cached frames + causal time pad, padded rows zeroed, halo of 1, shards folded into the batch | unfold |
+| ``Conv2d`` of an upsampler (padding 1) | ``padding = (0, 0)`` | padded rows zeroed, halo of 1, fold | unfold |
+| ``ZeroPad2d`` + stride-2 ``Conv2d`` of a downsampler | the pad's ``padding`` all zero | (conv) padded rows zeroed, halo of 0 before / 1 after, fold | unfold |
+| ``WanUpsample`` (nearest x2) | - | fold (no halo: a shard's rows upsample alone) | unfold |
+| ``WanAttentionBlock`` | - | frame gathered (replicated), cut to its logical size | padded back, split again |
+
+Everything else in the VAE (1x1 convs, the time convs, RMS norms over channels, the residual
+shortcuts' 2x2 regroupings, patchify) acts on each pixel or on 2x2 groups a shard holds whole.
+
+``annotate`` keeps each module's own padding and only zeroes padded rows before a conv and
+constrains its output to the split frame: the partitioner decides how to run the conv. ``channels``
+installs no hook (the frame stays whole; the weights carry the split).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import Backend
+from ..hooks import Hook
+from ..specs import ShardingError
+from .halo import FrameSplit, fold, mask_logical, unfold
+from .layout import Frame
+
+
+@dataclass
+class VaeState:
+    """The frame of the call being traced (set by the handle's program, read by every hook)."""
+
+    frame: Frame | None = None
+
+    @contextlib.contextmanager
+    def holding(self, frame: Frame) -> Iterator[None]:
+        self.frame = frame
+        try:
+            yield
+        finally:
+            self.frame = None
+
+    def logical_at(self, x: torch.Tensor) -> tuple[int, int]:
+        if self.frame is None:
+            raise ShardingError("this VAE is sharded: run it through its handle (handle.decode(z) / handle.encode(x)) "
+                                "or the sharded pipeline, not by calling the model itself")
+        return self.frame.logical_at(*x.shape[-2:])
+
+
+@dataclass(eq=False)
+class VaeHooks:
+    """The hooks and instance attributes one sharded VAE carries; ``remove()`` restores it."""
+
+    vae: torch.nn.Module
+    strategy: str
+    state: VaeState = field(default_factory=VaeState)
+    halo_modules: list[str] = field(default_factory=list)
+    _handles: list = field(default_factory=list, repr=False)
+    _attributes: list = field(default_factory=list, repr=False)  # (module, name, original value)
+    removed: bool = False
+
+    def set_attribute(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        self._attributes.append((module, name, module.__dict__[name]))
+        setattr(module, name, value)
+
+    def remove(self) -> None:
+        if self.removed:
+            return
+        for h in reversed(self._handles):
+            h.remove()
+        for module, name, value in reversed(self._attributes):
+            setattr(module, name, value)
+        self.removed = True
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "halo_modules": len(self.halo_modules)}
+
+
+def apply_vae_hooks(vae: torch.nn.Module, split: FrameSplit, backend: Backend, strategy: str,
+                    exchange: str = "gather") -> VaeHooks:
+    """Install the ``strategy``'s hooks on ``vae`` (see the module's table); returns their handle."""
+    hooks = VaeHooks(vae, strategy)
+    constrain = backend.constrain
+    state = hooks.state
+    try:
+        _torch_dtypes(hooks, vae)
+        if strategy == "channels":
+            if backend.uses_torch_xla:
+                _lowered_upsample(hooks, vae)
+            return hooks
+        for name, module in vae.named_modules():
+            kind = type(module).__name__
+            if kind == "WanCausalConv3d" and module.kernel_size[1] == 3:
+                _causal_conv(hooks, name, module, split, constrain, state, exchange)
+            elif kind == "WanResample" and module.mode != "none":
+                _resample(hooks, name, module, split, constrain, state, exchange)
+            elif kind == "WanAttentionBlock":
+                _attention(hooks, module, split, constrain, state)
+        if backend.uses_torch_xla:  # after the fold hooks: it acts on the folded frame
+            _lowered_upsample(hooks, vae)
+    except BaseException:
+        hooks.remove()
+        raise
+    return hooks
+
+
+def _causal_conv(hooks: VaeHooks, name: str, conv: torch.nn.Module, split: FrameSplit, constrain: Any,
+                 state: VaeState, exchange: str) -> None:
+    time_pad = conv._padding[4]
+    halo = (conv._padding[2], conv._padding[2])
+    if hooks.strategy == "annotate":
+        def masked(mod, args, kwargs):
+            x, *rest = args
+            return (mask_logical(x, *state.logical_at(x)), *rest), kwargs
+
+        hooks._handles.append(conv.register_forward_pre_hook(Hook(masked), with_kwargs=True))
+        hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: constrain(y, split.frame_spec(y.ndim)))))
+        return
+
+    def pre(mod, args, kwargs):
+        x = args[0]
+        cache = args[1] if len(args) > 1 else kwargs.get("cache_x")
+        front = time_pad
+        if cache is not None and time_pad > 0:  # the module's own order: cached frames, then the causal pad
+            x = torch.cat([cache.to(x.device), x], dim=2)
+            front -= cache.shape[2]
+        if front:
+            x = F.pad(x, (0, 0, 0, 0, front, 0))
+        x = mask_logical(x, *state.logical_at(x))
+        return (fold(x, split, constrain, halo, exchange),), {}
+
+    hooks.set_attribute(conv, "_padding", (0, 0, 0, 0, 0, 0))
+    hooks._handles.append(conv.register_forward_pre_hook(Hook(pre), with_kwargs=True))
+    hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: unfold(y, split, constrain))))
+    hooks.halo_modules.append(name)
+
+
+def _resample(hooks: VaeHooks, name: str, resample: torch.nn.Module, split: FrameSplit, constrain: Any,
+              state: VaeState, exchange: str) -> None:
+    first, conv = resample.resample[0], resample.resample[1]
+    down = resample.mode.startswith("downsample")
+    if hooks.strategy == "annotate":
+        def masked(mod, args):
+            return (mask_logical(args[0], *state.logical_at(args[0])),)
+
+        hooks._handles.append(conv.register_forward_pre_hook(Hook(masked)))
+        hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: constrain(y, split.frame_spec(y.ndim)))))
+        return
+    if down:  # ZeroPad2d((0, 1, 0, 1)) then a stride-2 conv: the pad becomes the next shard's first row
+        halo = (first.padding[2], first.padding[3])
+        hooks.set_attribute(first, "padding", (0, 0, 0, 0))
+    else:  # nearest x2 (local to each shard), then a 3x3 conv with padding 1
+        halo = (conv.padding[0], conv.padding[0])
+        hooks.set_attribute(conv, "padding", (0, 0))
+        hooks._handles.append(first.register_forward_pre_hook(Hook(lambda mod, a: (fold(a[0], split, constrain),))))
+        hooks._handles.append(first.register_forward_hook(Hook(lambda mod, a, y: unfold(y, split, constrain))))
+
+    def pre(mod, args):
+        x = mask_logical(args[0], *state.logical_at(args[0]))
+        return (fold(x, split, constrain, halo, exchange),)
+
+    hooks._handles.append(conv.register_forward_pre_hook(Hook(pre)))
+    hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: unfold(y, split, constrain))))
+    hooks.halo_modules.append(f"{name}.resample")
+
+
+def _attention(hooks: VaeHooks, block: torch.nn.Module, split: FrameSplit, constrain: Any, state: VaeState) -> None:
+    """One head over the whole frame: gathered (the one collective the size of a frame), cut to its
+    logical size so padded pixels are no keys, padded back and split again after."""
+    padded: list[tuple[int, int]] = []
+
+    def pre(mod, args):
+        x = args[0]
+        padded.append(tuple(x.shape[-2:]))
+        lh, lw = state.logical_at(x)
+        x = constrain(x, (None,) * x.ndim)  # the frame's gather
+        return (x[..., :lh, :lw],)
+
+    def post(mod, args, y):
+        ph, pw = padded.pop()
+        y = constrain(y, (None,) * y.ndim)  # pinned: else the split below propagates into the attention
+        y = F.pad(y, (0, pw - y.shape[-1], 0, ph - y.shape[-2]))
+        return constrain(y, split.frame_spec(y.ndim))
+
+    hooks._handles.append(block.register_forward_pre_hook(Hook(pre)))
+    hooks._handles.append(block.register_forward_hook(Hook(post)))
+
+
+def _lowered_upsample(hooks: VaeHooks, vae: torch.nn.Module) -> None:
+    """torch-xla 2.9 has no lowering for ``nearest-exact`` interpolation
+    (``aten::_upsample_nearest_exact2d`` falls back to the CPU), so each ``WanUpsample`` would cut
+    the lazy graph in two and move the frame to the host and back; a compile's trace then holds only
+    the part after the last upsampler. For the x2 scale the VAE uses, nearest-exact is each row and
+    column repeated twice (output ``i`` reads input ``i // 2``), exactly: the module gets a 1-pixel
+    stand-in on the host (so nothing falls back) and its output is the repeated frame."""
+    for module in vae.modules():
+        if type(module).__name__ != "WanUpsample":
+            continue
+        if module.mode != "nearest-exact" or tuple(module.scale_factor) != (2.0, 2.0):
+            raise ShardingError(f"a WanUpsample with mode {module.mode!r} and scale {module.scale_factor}: the torch-xla "
+                                "backends lower only the VAE's own nearest-exact x2")
+        held: list[torch.Tensor] = []
+
+        def stand_in(mod, a, held=held):
+            held.append(a[0])
+            return (torch.zeros((1, 1, 1, 1), dtype=a[0].dtype),)
+
+        def repeated(mod, a, y, held=held):
+            x = held.pop()
+            return x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
+
+        hooks._handles.append(module.register_forward_pre_hook(Hook(stand_in)))
+        hooks._handles.append(module.register_forward_hook(Hook(repeated), prepend=True))
+
+
+def _torch_dtypes(hooks: VaeHooks, vae: torch.nn.Module) -> None:
+    """Torch's dtypes where torchax 0.0.13 changes them: it promotes bf16 times a Python float to
+    fp32 (``WanRMS_norm``'s ``* self.scale``), returns fp32 from a bf16 SDPA (the mid-block
+    attention) and keeps ``WanUpsample``'s fp32 (its ``type_as`` back to bf16 is lost), and a conv
+    then refuses the fp32 input beside its bf16 bias. Each norm's and upsampler's output is cast
+    back to its input's dtype and each conv's input to its weight's, as torch computes them;
+    both are no-ops wherever the dtypes already match (torch itself, fp32)."""
+    for module in vae.modules():
+        if type(module).__name__ == "WanRMS_norm":
+            hooks._handles.append(module.register_forward_hook(Hook(lambda mod, a, y: y.to(a[0].dtype))))
+        elif type(module).__name__ == "WanUpsample":
+            # its result reads bf16 in Python while torch's own record says fp32 (a conv then refuses
+            # it): a copy made from the array has one dtype in both
+            hooks._handles.append(module.register_forward_hook(Hook(lambda mod, a, y: y.to(a[0].dtype).clone())))
+        elif isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+            hooks._handles.append(module.register_forward_pre_hook(
+                Hook(lambda mod, a: (a[0].to(mod.weight.dtype), *a[1:]))))

@@ -1,0 +1,154 @@
+"""Where the VAE's work goes on the mesh, as data: which convs need a halo, how a frame is split and
+padded, and every parameter's spec. Pure: reads the model (a ``meta`` one too), changes nothing.
+
+The VAE's weights are small (~127 M parameters for the Wan 2.1 VAE, ~700 M for Wan 2.2's) and
+every device needs all of them for its piece of the frame, so the spatial strategies keep them
+replicated. The channel-parallel alternative (``"channels"``) is tt-xla's recipe for the same class
+(``tests/torch/models/wan14b/shared.py``, ``shard_vae_decoder_specs`` / ``shard_vae_encoder_specs``),
+written here as data for the side-by-side compile bill: in every residual block ``conv1``'s output
+channels split, ``norm2``'s gamma with them, ``conv2``'s input channels split (a Megatron pair per
+block); attention, resamplers and the boundary convs replicated; on the mesh's longer axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..mesh import MeshSpec
+from ..options import PADDING_NAMES
+from ..specs import ShardingError, ShardSpecs
+from .halo import FrameSplit
+
+# How the VAE can be laid on the mesh. ``halo`` is the package's (H and W split, a halo exchange per
+# conv through a small all-gather); the others exist to be compared with it (docs/vae.md):
+# ``halo-permute`` (the same with collective-permute shifts), ``annotate`` (only H/W annotations: what
+# the partitioner makes of a split conv by itself), ``channels`` (tt-xla's channel-parallel specs).
+STRATEGIES: tuple[str, ...] = ("halo", "halo-permute", "annotate", "channels")
+DEFAULT_STRATEGY = "halo"
+# ``mask``: a frame the mesh does not divide is padded and the padded rows zeroed before every conv
+# (exact); ``none``: such a frame is refused. The DiT's K/V slice-back (``slice``) has no meaning here.
+VAE_PADDINGS: tuple[str, ...] = ("mask", "none")
+DEFAULT_VAE_PADDING = "mask"
+
+# The diffusers module classes of AutoencoderKLWan (0.42.1) the halo plan was written for. A model
+# with any other module is refused: a new layer could mix rows across shards unseen.
+KNOWN_MODULES = frozenset({
+    "AutoencoderKLWan", "WanEncoder3d", "WanDecoder3d", "WanCausalConv3d", "WanRMS_norm", "WanResidualBlock",
+    "WanAttentionBlock", "WanMidBlock", "WanResample", "WanUpsample", "WanUpBlock", "WanResidualUpBlock",
+    "WanResidualDownBlock", "AvgDown3D", "DupUp3D", "Conv2d", "ZeroPad2d", "Sequential", "ModuleList",
+    "Identity", "Dropout", "SiLU",
+})
+
+
+def check_vae_model(vae: Any) -> None:
+    """Refuse anything but a diffusers ``AutoencoderKLWan`` made of the modules the plan knows."""
+    from diffusers import AutoencoderKLWan
+
+    if not isinstance(vae, AutoencoderKLWan):
+        raise ShardingError(f"expected a diffusers AutoencoderKLWan, got {type(vae).__name__}; pass the "
+                            "pipeline's vae (pipe.vae), or use shard_pipeline(..., vae=True)")
+    unknown = sorted({type(m).__name__ for m in vae.modules()} - KNOWN_MODULES)
+    if unknown:
+        raise ShardingError(f"this AutoencoderKLWan has modules the VAE's halo plan does not know ({', '.join(unknown)}); "
+                            "it was written for diffusers 0.42.1's Wan VAE: extend wan_sharding/vae/layout.py first")
+    for name, m in vae.named_modules():
+        if type(m).__name__ == "WanCausalConv3d" and tuple(m.kernel_size[1:]) not in ((1, 1), (3, 3)):
+            raise ShardingError(f"{name} has a {m.kernel_size} kernel; the halo plan covers 1x1 and 3x3 spatial kernels")
+
+
+def check_strategy(strategy: str, padding: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ShardingError(f"unknown VAE strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if padding not in VAE_PADDINGS:
+        why = "the DiT's K/V slice-back" if padding in PADDING_NAMES else "not a padding mode"
+        raise ShardingError(f"padding {padding!r} ({why}) does not apply to the VAE; choose one of {', '.join(VAE_PADDINGS)}")
+
+
+def frame_split(mesh: MeshSpec) -> FrameSplit:
+    """H over the mesh's first axis, W over its second (tt-metal's VAE splits H on one mesh axis and
+    W on the other); a one-axis mesh splits W only."""
+    names = mesh.axis_names
+    if len(names) != 2:
+        raise ShardingError(f"the VAE needs a 2-D mesh, got axes {names}")
+    return FrameSplit(names[0], names[1], mesh.shape[0], mesh.shape[1])
+
+
+def channel_axis(mesh: MeshSpec) -> str:
+    """tt-xla's channel-parallel specs split on the mesh's longer axis (the first on a tie)."""
+    return mesh.axis_names[max(range(len(mesh.shape)), key=lambda i: (mesh.shape[i], -i))]
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One call's frame: ``logical`` (H, W) as given, ``padded`` (H, W) as it lies on the mesh, at
+    the input's resolution (latent for a decode, pixels for an encode)."""
+
+    logical: tuple[int, int]
+    padded: tuple[int, int]
+
+    def logical_at(self, h: int, w: int) -> tuple[int, int]:
+        """The logical size at another resolution whose padded size is ``(h, w)``."""
+        return self.logical[0] * h // self.padded[0], self.logical[1] * w // self.padded[1]
+
+    @property
+    def is_padded(self) -> bool:
+        return self.logical != self.padded
+
+
+def plan_frame(height: int, width: int, split: FrameSplit, padding: str, unit: int, what: str) -> Frame:
+    """The padded frame for ``height x width`` at the input's resolution: each of H and W a multiple of
+    its shard count times ``unit`` (the rows one shard's piece must keep whole through the model's
+    downsamplers); ``padding="none"`` refuses a size that needs padding."""
+    if height % unit or width % unit:
+        raise ShardingError(f"{what} {height}x{width} is not a multiple of {unit} (the VAE's spatial compression); "
+                            f"use a size divisible by {unit}")
+    padded = []
+    for size, n in ((height, split.nh), (width, split.nw)):
+        step = n * unit
+        padded.append(-(-size // step) * step)
+    frame = Frame((height, width), (padded[0], padded[1]))
+    if frame.is_padded and padding == "none":
+        raise ShardingError(f"{what} {height}x{width} does not split into {split.nh}x{split.nw} shards of whole "
+                            f"{unit}-pixel units; use padding='mask' (pads to {padded[0]}x{padded[1]}, exact) or a divisible size")
+    return frame
+
+
+def vae_specs(vae: torch.nn.Module, mesh: MeshSpec, strategy: str = DEFAULT_STRATEGY) -> ShardSpecs:
+    """Every parameter's spec: replicated for the spatial strategies, tt-xla's Megatron pairs per
+    residual block for ``channels`` (checked: each split channel count divides by the axis)."""
+    split: dict[str, tuple] = {}
+    if strategy == "channels":
+        split = channel_specs(vae, mesh)
+    entries = []
+    for name, p in vae.named_parameters():
+        spec = split.get(name, (None,) * p.ndim)
+        entries.append((name, p, spec, "replicate" if name not in split else ("colwise" if spec[0] else "rowwise")))
+    return ShardSpecs(entries, mesh)
+
+
+def channel_specs(vae: torch.nn.Module, mesh: MeshSpec) -> dict[str, tuple]:
+    """tt-xla's channel-parallel VAE specs (decoder and encoder residual blocks), by parameter name."""
+    axis = channel_axis(mesh)
+    n = mesh.axis_size(axis)
+    out: dict[str, tuple] = {}
+    for name, m in vae.named_modules():
+        if type(m).__name__ != "WanResidualBlock":
+            continue
+        if m.out_dim % n:
+            raise ShardingError(f"{name} has {m.out_dim} channels, which {n} devices on axis {axis!r} do not divide; "
+                                "the channel-parallel specs need a divisible channel count")
+        out[f"{name}.conv1.weight"] = (axis, None, None, None, None)
+        out[f"{name}.conv1.bias"] = (axis,)
+        out[f"{name}.norm2.gamma"] = (axis, None, None, None)
+        out[f"{name}.conv2.weight"] = (None, axis, None, None, None)
+    return out
+
+
+def spatial_units(vae: Any) -> tuple[int, int]:
+    """(decode unit, encode unit): the rows a latent shard keeps whole (1), and the pixels of one
+    latent row (the VAE's spatial compression, patchify included), which an encode input's shards
+    must keep whole so every downsampler halves them exactly."""
+    return 1, int(vae.config.scale_factor_spatial)
