@@ -267,7 +267,7 @@ def placed_vs_predicted(handle: Any, plan: Any) -> dict[str, dict[str, Any]]:
     out = {}
     for name, per_device in handle.placed_weight_bytes().items():
         if name == "text_encoder":  # the UMT5 encoder on the mesh: the planner counts it too
-            model = handle.text_encoder.encoder
+            model = handle.text_encoder.model
             predicted = predicted_text_encoder_bytes(model, plan)
         else:
             model = next(e.dit for e in handle.experts if e.name == name)

@@ -45,8 +45,9 @@ class ShardedExpert:
 
 @dataclass(eq=False)
 class ShardedComponent:
-    """A non-expert part of a sharded pipeline (the VAE): the original, its handle, its stand-in
-    and the pipeline's config entry."""
+    """A part of a sharded pipeline other than its experts (the text encoder, the VAE): the
+    original model, its handle (``sharding``: a :class:`~wan_sharding.compose.ShardHandle`), its
+    stand-in in the pipeline (``wrapper``) and the pipeline's config entry for it."""
 
     name: str
     model: Any
@@ -55,10 +56,19 @@ class ShardedComponent:
     config_entry: Any
 
     def remove(self, pipe: Any) -> None:
+        """Sharding undone, the stand-in released, the very same model back in the pipeline."""
         if self.sharding is not None:
             self.sharding.remove()
+        if self.wrapper is not None:
+            self.wrapper._release()
         if getattr(pipe, self.name, None) is not self.model:
             _restore_component(pipe, self.name, self.model, self.config_entry)
+
+    def describe(self) -> dict[str, Any]:
+        """The handle's summary (backend, mesh, how the parameters were split, ...) and the calls
+        the pipeline made through the stand-in."""
+        return {**(self.sharding.describe() if self.sharding is not None else {}),
+                "calls": self.wrapper.calls if self.wrapper is not None else 0}
 
 
 @dataclass(eq=False)
@@ -69,7 +79,7 @@ class PipelineHandle(OnResolved):
     resolved: Resolved
     experts: list[ShardedExpert] = field(default_factory=list)
     pairs: Any = None  # CFG parallel: the pipeline's GuidancePairs (its encode_prompt wrapper), else None
-    text_encoder: Any = None  # the UMT5 encoder on the mesh (.text_encoder.EncoderSharding), else None
+    text_encoder: ShardedComponent | None = None  # shard_pipeline(..., text_encoder=True)
     vae: ShardedComponent | None = None  # shard_pipeline(..., vae=True)
     removed: bool = False
 
@@ -95,7 +105,7 @@ class PipelineHandle(OnResolved):
                 errors.append(f"text_encoder: {exc!r}")
         for e in reversed(self.experts):
             try:
-                if e.wrapper is not None and e.wrapper._dit is not None:
+                if e.wrapper is not None and e.wrapper._model is not None:
                     from ..caching.model import release_model_cache
 
                     release_model_cache(e.dit)  # the cache stays enabled, without this backend's pieces
@@ -128,7 +138,7 @@ class PipelineHandle(OnResolved):
             "plan": None if self.plan is None else self.plan.name, "cfg": self.mesh.cfg,
             **({"cfg_steps": {"paired": self.pairs.paired, "single": self.pairs.single}} if self.pairs is not None else {}),
             **({"text_encoder": self.text_encoder.describe()} if self.text_encoder is not None else {}),
-            **({"vae": {**self.vae.sharding.describe(), "calls": dict(self.vae.wrapper.calls)}} if self.vae is not None else {}),
+            **({"vae": self.vae.describe()} if self.vae is not None else {}),
             "experts": {
                 e.name: {"params": e.specs.counts() if e.specs is not None else {},
                          "forwards": e.wrapper.calls if e.wrapper is not None else 0,
@@ -143,9 +153,9 @@ class PipelineHandle(OnResolved):
         """Per expert, the bytes of its parameters each device holds, read from the backend's
         placed arrays (what is really on the devices, FSDP and TP splits included)."""
         out = {e.name: self.backend.placed_weight_bytes(e.dit, e.wrapper._placed) for e in self.experts
-               if e.wrapper is not None and e.wrapper._dit is not None}
-        if self.text_encoder is not None and self.text_encoder.handle is not None:
-            out["text_encoder"] = self.backend.placed_weight_bytes(self.text_encoder.encoder, self.text_encoder.handle.placed)
+               if e.wrapper is not None and e.wrapper._model is not None}
+        if self.text_encoder is not None and self.text_encoder.sharding is not None:
+            out["text_encoder"] = self.backend.placed_weight_bytes(self.text_encoder.model, self.text_encoder.sharding.placed)
         return out
 
 

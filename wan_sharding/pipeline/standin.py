@@ -27,10 +27,56 @@ CFG_CACHE_REFUSAL = (
     "makes one decision for both, so the cached steps would differ from the unsharded pipeline's; use --cfg 1 "
     "(a plan without cfg_axes) with a cache, or no cache with CFG parallel")
 
-__all__ = ["ShardedTransformer"]
+__all__ = ["ComponentStandIn", "ShardedTransformer"]
 
 
-class ShardedTransformer(torch.nn.Module):
+class ComponentStandIn(torch.nn.Module):
+    """What a sharded pipeline holds in place of one of its models (an expert, the text encoder, the
+    VAE): the real model is a plain attribute, not a submodule, so module traversal (``pipe.device``,
+    ``pipe.to``, ``.modules()``) never reaches the sharded weights; it shows the attributes the Wan
+    pipelines read of every component (``config``, ``dtype``, the host as its ``device``: inputs
+    and outputs stay on the host); copying or pickling it is refused (a copy would share the
+    original's device weights and hooks); the pipeline handle's ``remove()`` releases it."""
+
+    def __init__(self, model: torch.nn.Module, component: str):
+        super().__init__()
+        self.__dict__.update(_model=model, component=component)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The real (sharded) model."""
+        if self._model is None:
+            raise ShardingError(f"this sharded {self.component} was removed by handle.remove(); use "
+                                f"pipe.{self.component}, which is the original model again")
+        return self._model
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pipeline should keep inputs and outputs: the host."""
+        return torch.device("cpu")
+
+    def _release(self) -> None:
+        self.__dict__["_model"] = None
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise ShardingError(
+            f"a pipeline sharded with shard_pipeline cannot be copied or pickled (its {self.component} runs the "
+            "original's weights on the mesh); call handle.remove() first, copy, then shard_pipeline each copy"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.__deepcopy__({})
+
+
+class ShardedTransformer(ComponentStandIn):
     """Stands in for one expert of a sharded pipeline; ``forward`` runs the real model on the mesh.
 
     Inputs are host tensors (as the pipeline makes them); the output comes back to the host, as a
@@ -40,36 +86,16 @@ class ShardedTransformer(torch.nn.Module):
 
     def __init__(self, dit: torch.nn.Module, backend: Backend, placed: Any, name: str, padding: str,
                  sp: SPHandle | None = None, pairs: GuidancePairs | None = None):
-        super().__init__()
-        # Plain attributes, not submodules: module traversal (pipe.device, pipe.to, .modules())
-        # must not reach the sharded weights. ``pairs``: on a cfg mesh, what runs a step's cond and
-        # uncond calls as one forward (shared by the pipeline's experts).
-        self.__dict__.update(_dit=dit, _backend=backend, _placed=placed, component=name, padding=padding, calls=0,
-                             _sp=sp, _pairs=pairs)
+        super().__init__(dit, name)
+        # ``pairs``: on a cfg mesh, what runs a step's cond and uncond calls as one forward (shared by
+        # the pipeline's experts).
+        self.__dict__.update(_backend=backend, _placed=placed, padding=padding, calls=0, _sp=sp, _pairs=pairs)
 
     # --- what the Wan pipelines read ------------------------------------------------------
     @property
     def dit(self) -> torch.nn.Module:
         """The real (sharded) ``WanTransformer3DModel``."""
-        if self._dit is None:
-            raise ShardingError(
-                f"this sharded {self.component} was removed by handle.remove(); use pipe.{self.component}, "
-                "which is the original model again"
-            )
-        return self._dit
-
-    @property
-    def config(self) -> Any:
-        return self.dit.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.dit.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Where the pipeline should keep inputs and outputs: the host."""
-        return torch.device("cpu")
+        return self.model
 
     @property
     def backend(self) -> Backend:
@@ -177,18 +203,9 @@ class ShardedTransformer(torch.nn.Module):
             self.enable_cache(config)
 
     def _release(self) -> None:
-        self.__dict__.update(_dit=None, _placed=None, _sp=None, _pairs=None)
-
-    # --- copying: refused (a copy would share the original's device weights and SP hooks) ---
-    def __deepcopy__(self, memo: dict) -> Any:
-        raise ShardingError(
-            f"a pipeline sharded with shard_pipeline cannot be copied or pickled (its {self.component} runs the "
-            "original's weights on the mesh); call handle.remove() first, copy, then shard_pipeline each copy"
-        )
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return self.__deepcopy__({})
+        super()._release()
+        self.__dict__.update(_placed=None, _sp=None, _pairs=None)
 
     def extra_repr(self) -> str:
-        inner = type(self._dit).__name__ if self._dit is not None else "removed"
+        inner = type(self._model).__name__ if self._model is not None else "removed"
         return f"{self.component}: {inner} on {self._backend.name} {self._backend.mesh.name}, padding={self.padding}"

@@ -9,12 +9,11 @@ that runs the real encoder on the mesh through its
 :class:`~wan_sharding.text_encoder.TextEncoderHandle`. As for the experts' stand-ins, the real
 encoder is a plain attribute, not a submodule, so ``pipe.device`` / ``pipe.to(...)`` never reach
 the sharded weights; the swap goes through the pipeline's own attribute assignment, and
-:meth:`EncoderSharding.remove` puts the very same encoder back.
+:meth:`~.handle.ShardedComponent.remove` puts the very same encoder back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,38 +21,24 @@ import torch
 from ..compose import Resolved
 from ..specs import ShardingError
 from ..text_encoder import TextEncoderHandle, check_text_encoder, shard_text_encoder
+from .handle import ShardedComponent
+from .standin import ComponentStandIn
 
-__all__ = ["EncoderSharding", "ShardedTextEncoder", "check_pipeline_text_encoder", "shard_pipeline_text_encoder"]
+__all__ = ["ShardedTextEncoder", "check_pipeline_text_encoder", "shard_pipeline_text_encoder"]
 
 
-class ShardedTextEncoder(torch.nn.Module):
+class ShardedTextEncoder(ComponentStandIn):
     """Stands in for a sharded pipeline's ``text_encoder``; ``forward(input_ids, attention_mask)``
     runs the real UMT5 encoder on the mesh and returns its output (``last_hidden_state`` on the host)."""
 
     def __init__(self, encoder: torch.nn.Module, handle: TextEncoderHandle):
-        super().__init__()
-        self.__dict__.update(_encoder=encoder, _handle=handle)  # plain attributes, not submodules
+        super().__init__(encoder, "text_encoder")
+        self.__dict__["_handle"] = handle
 
     @property
     def encoder(self) -> torch.nn.Module:
         """The real (sharded) ``UMT5EncoderModel``."""
-        if self._encoder is None:
-            raise ShardingError("this sharded text_encoder was removed by handle.remove(); use pipe.text_encoder, "
-                                "which is the original encoder again")
-        return self._encoder
-
-    @property
-    def config(self) -> Any:
-        return self.encoder.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.encoder.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Where the pipeline keeps the token ids and the embeddings: the host."""
-        return torch.device("cpu")
+        return self.model
 
     @property
     def handle(self) -> TextEncoderHandle:
@@ -72,43 +57,12 @@ class ShardedTextEncoder(torch.nn.Module):
         return self._handle(input_ids, attention_mask, return_dict=return_dict)
 
     def _release(self) -> None:
-        self.__dict__.update(_encoder=None, _handle=None)
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        raise ShardingError("a pipeline sharded with shard_pipeline cannot be copied or pickled (its text_encoder runs "
-                            "the original's weights on the mesh); call handle.remove() first, copy, then shard_pipeline "
-                            "each copy")
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return self.__deepcopy__({})
+        super()._release()
+        self.__dict__["_handle"] = None
 
     def extra_repr(self) -> str:
         inner = "removed" if self._handle is None else f"{self._handle.backend.name} {self._handle.mesh.name}"
         return f"text_encoder: UMT5EncoderModel on {inner}"
-
-
-@dataclass(eq=False)
-class EncoderSharding:
-    """The pipeline's encoder on the mesh: the original, its handle, its stand-in, its config entry."""
-
-    encoder: Any
-    handle: TextEncoderHandle | None = None
-    standin: ShardedTextEncoder | None = None
-    config_entry: Any = None
-
-    def remove(self, pipe: Any) -> None:
-        """Sharding undone (:meth:`TextEncoderHandle.remove`), the same encoder back in the pipeline."""
-        if self.handle is not None:
-            self.handle.remove()
-        if self.standin is not None:
-            self.standin._release()
-        if getattr(pipe, "text_encoder", None) is not self.encoder:
-            pipe.text_encoder = self.encoder  # the pipeline's own __setattr__ records it in pipe.config
-            if self.config_entry is not None and pipe.config.get("text_encoder") != self.config_entry:
-                pipe.register_to_config(text_encoder=self.config_entry)
-
-    def describe(self) -> dict[str, Any]:
-        return {"params": self.handle.specs.counts() if self.handle else {}, "calls": self.handle.calls if self.handle else 0}
 
 
 def check_pipeline_text_encoder(pipe: Any, resolved: Resolved) -> None:
@@ -124,16 +78,16 @@ def check_pipeline_text_encoder(pipe: Any, resolved: Resolved) -> None:
     check_text_encoder(encoder, resolved)
 
 
-def shard_pipeline_text_encoder(pipe: Any, resolved: Resolved, keep_host_weights: bool) -> EncoderSharding:
+def shard_pipeline_text_encoder(pipe: Any, resolved: Resolved, keep_host_weights: bool) -> ShardedComponent:
     """Shard ``pipe.text_encoder`` with ``resolved`` (the experts' request) and put its stand-in in
-    the pipeline; the returned :class:`EncoderSharding` undoes it. Checked already
+    the pipeline; the returned :class:`~.handle.ShardedComponent` undoes it. Checked already
     (:func:`check_pipeline_text_encoder`)."""
-    entry = EncoderSharding(pipe.text_encoder, config_entry=pipe.config.get("text_encoder"))
-    entry.handle = shard_text_encoder(entry.encoder, resolved=resolved, keep_host_weights=keep_host_weights)
+    part = ShardedComponent("text_encoder", pipe.text_encoder, None, None, pipe.config.get("text_encoder"))
+    part.sharding = shard_text_encoder(part.model, resolved=resolved, keep_host_weights=keep_host_weights)
     try:
-        entry.standin = ShardedTextEncoder(entry.encoder, entry.handle)
-        pipe.text_encoder = entry.standin
+        part.wrapper = ShardedTextEncoder(part.model, part.sharding)
+        pipe.text_encoder = part.wrapper
     except BaseException:
-        entry.remove(pipe)
+        part.remove(pipe)
         raise
-    return entry
+    return part

@@ -14,55 +14,43 @@ from typing import Any
 
 import torch
 
-from ..hooks import RefusesCopy
 from ..specs import ShardingError
+from .handle import ShardedComponent
+from .standin import ComponentStandIn
 
 __all__ = ["ShardedVae", "check_pipeline_vae", "shard_pipeline_vae"]
 
 
-class ShardedVae(RefusesCopy, torch.nn.Module):
+class ShardedVae(ComponentStandIn):
     """``pipe.vae`` while the VAE is sharded: its calls run on the mesh, its attributes are the VAE's."""
 
     def __init__(self, vae: torch.nn.Module, handle: Any):
-        super().__init__()
-        object.__setattr__(self, "_vae", vae)  # not a submodule: pipe.to() must not move it
-        object.__setattr__(self, "_handle", handle)
-        self.calls = {"decode": 0, "encode": 0}
+        super().__init__(vae, "vae")
+        self.__dict__.update(_handle=handle, calls={"decode": 0, "encode": 0})
 
     @property
     def vae(self) -> torch.nn.Module:
-        return self._vae
+        return self.model
 
     @property
     def handle(self) -> Any:
         return self._handle
 
-    @property
-    def config(self) -> Any:
-        return self._vae.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._vae.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """The host: the pipeline hands host tensors in and gets host tensors back."""
-        return torch.device("cpu")
-
     def decode(self, z: torch.Tensor, return_dict: bool = True) -> Any:
         self.calls["decode"] += 1
-        return self._handle.decode(z.to(self._vae.dtype), return_dict=return_dict)
+        return self._handle.decode(z.to(self.model.dtype), return_dict=return_dict)
 
     def encode(self, x: torch.Tensor, return_dict: bool = True) -> Any:
         self.calls["encode"] += 1
-        return self._handle.encode(x.to(self._vae.dtype), return_dict=return_dict)
+        return self._handle.encode(x.to(self.model.dtype), return_dict=return_dict)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("a sharded VAE runs decode() and encode(); call those")
 
     def extra_repr(self) -> str:
-        return f"{type(self._vae).__name__} on {self._handle.mesh.name} ({self._handle.backend.name})"
+        if self._model is None:
+            return "vae: removed"
+        return f"{type(self._model).__name__} on {self._handle.mesh.name} ({self._handle.backend.name})"
 
 
 def check_pipeline_vae(pipe: Any, resolved: Any) -> None:
@@ -80,7 +68,6 @@ def shard_pipeline_vae(pipe: Any, resolved: Any, keep_host_weights: bool) -> Any
     """Shard ``pipe.vae`` on the request's mesh and put a :class:`ShardedVae` in its place; returns
     what the pipeline handle needs to undo it."""
     from ..vae import shard_vae
-    from .handle import ShardedComponent
 
     original, entry = pipe.vae, pipe.config.get("vae")
     part = ShardedComponent("vae", original, None, None, entry)
