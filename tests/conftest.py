@@ -6,7 +6,12 @@ both read XLA_FLAGS, and the Tenstorrent plugin breaks JAX's CPU backend unless 
 """
 
 import os
+import shutil
 import signal
+import tempfile
+from pathlib import Path
+
+import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 # XLA's CPU code generation without LLVM's expensive passes: every tiny-model compile in the suite
@@ -29,3 +34,27 @@ keep_plugins_out_of_cpu_jax()
 # Ctrl-C, which the children then get as Python's default (a handler is not inherited across exec).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# Every process the tests start (commands, their workers, scripts) gets an empty TMPDIR of its own,
+# which must be empty again after each test module: no command leaves anything in the temp dir,
+# finished, failed or interrupted (wan_sharding.scratch). This process keeps the usual temp dir,
+# where pytest's tmp_path folders live.
+tempfile.tempdir = tempfile.gettempdir()
+COMMANDS_TMPDIR = Path(tempfile.mkdtemp(prefix="wan-sharding-tests-tmpdir-"))
+os.environ["TMPDIR"] = str(COMMANDS_TMPDIR)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def commands_leave_an_empty_tmpdir():
+    """After each module: nothing the module's commands and workers started is left in their
+    TMPDIR (what is there is named, then removed so the next module starts clean)."""
+    yield
+    left = sorted(COMMANDS_TMPDIR.iterdir())
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    assert not left, f"left in the commands' TMPDIR: {[p.name for p in left]}"
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(COMMANDS_TMPDIR, ignore_errors=True)

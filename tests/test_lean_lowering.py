@@ -6,6 +6,7 @@ compiled block are measured through tt-mlir in docs/patches.md.
 """
 
 import contextlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -115,7 +116,10 @@ def test_a_patched_bf16_forward_traces_no_multiply_by_one_and_no_negation():
             jargs, jkwargs = backend._device_inputs((), inputs)
             return equations(jax.make_jaxpr(backend.jax_forward(dit))(placed, jargs, jkwargs).jaxpr)
 
-    vanilla, patched = trace([]), trace(["rope", "rope_tables"])
+    with warnings.catch_warnings():  # diffusers' own rotary writes float32 into bf16 (wan_sharding.noise)
+        warnings.filterwarnings("ignore", "scatter inputs have incompatible types", FutureWarning)
+        vanilla = trace([])
+    patched = trace(["rope", "rope_tables"])
     assert not _torchax_units(vanilla) and not _torchax_units(patched)
     with _torchax_own_lowerings():  # the control: torchax's own add / neg emit them, every block
         assert len(_torchax_units(trace(["rope", "rope_tables"]))) >= 3 * dit.config.num_layers
