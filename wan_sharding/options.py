@@ -53,3 +53,14 @@ CPU_BACKENDS: tuple[str, ...] = ("xla", "jax")
 # Every backend a command can run a forward on: the CPU ones, and ``tt`` on Tenstorrent devices
 # (with Tenstorrent's stack; without it the command says what is missing and exits 1).
 EXECUTING_BACKENDS: tuple[str, ...] = (*CPU_BACKENDS, "tt")
+
+
+# ---- what ran ----------------------------------------------------------------------------------
+
+
+def settings_line(backend: str, patches: Any = (), cache: str | None = "none", cfg: int = 1) -> str:
+    """The line ``check``, ``compile``, ``generate`` and ``profile`` print before their results: the
+    backend, and the options that change the model or the loop, each named even when off
+    (``patches: none``), so an output says what produced it."""
+    return (f"backend: {backend}; patches: {', '.join(patches) or 'none'}; cache: {cache or 'none'}; "
+            f"cfg: {cfg}{' (cond and uncond as one program, one per half of the mesh)' if cfg == 2 else ''}")

@@ -7,15 +7,28 @@ import sys
 from typing import Iterable
 
 from ..mesh import PRESET_TABLE, MeshError, preset_key
-from ..options import DTYPE_ALIASES, DTYPES, PADDING_NAMES, dtype_name
+from ..options import DTYPE_ALIASES, DTYPES, PADDING_NAMES, dtype_name, settings_line
+
+
+def _preset(text: str, several: str) -> str:
+    try:
+        return preset_key(text)
+    except MeshError as e:
+        parts = [p.strip() for p in str(text).split(",")]
+        if len(parts) > 1 and all(p.lower().replace(" ", "") in PRESET_TABLE for p in parts):
+            raise argparse.ArgumentTypeError(f"{text!r} names {len(parts)} meshes; {several}") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def preset(text: str) -> str:
     """A mesh preset name, normalised (``"2 x 4"`` -> ``"2x4"``)."""
-    try:
-        return preset_key(text)
-    except MeshError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return _preset(text, "this option takes one")
+
+
+def presets(text: str) -> str:
+    """One mesh preset of a list option (``--meshes 2x4 8x4``): the preset, normalised; a comma
+    list is refused, naming how to write it."""
+    return _preset(text, f"separate meshes with spaces: --meshes {' '.join(str(text).replace(' ', '').split(','))}")
 
 
 def dtype(text: str) -> str:
@@ -41,6 +54,14 @@ def add_dtype(ap: argparse.ArgumentParser, default: str | None, help: str = "") 
 def add_padding(ap: argparse.ArgumentParser, default: str | None) -> None:
     ap.add_argument("--padding", default=default, choices=list(PADDING_NAMES),
                     help=f"how the token dim is padded to SP x 32 (default {default or 'mask, or the plan padding'})")
+
+
+def print_settings(args: argparse.Namespace, backend: str) -> None:
+    """Print what runs (``wan_sharding.options.settings_line``): ``backend``, and the command's
+    patches, step cache and CFG parallel (a plan with cfg axes, or ``--cfg 2``)."""
+    plan = getattr(args, "plan", None)
+    cfg = 2 if plan is not None and plan.cfg_axes else getattr(args, "cfg", 1)
+    print(settings_line(backend, getattr(args, "patches", ()), getattr(args, "cache", "none"), cfg), flush=True)
 
 
 def stack_missing(backends: Iterable[str]) -> bool:
@@ -102,3 +123,10 @@ def add_plan(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--plan", type=plan_file, metavar="PLAN.json",
                     help="a sharding plan written by `wan-sharding plan --write`: its mesh, axis roles, FSDP, layout "
                          "and padding are applied (--mesh / --padding then must agree or be left out)")
+
+
+def add_overwrite(ap: argparse.ArgumentParser) -> None:
+    """``--overwrite``: replace what an earlier run left where this one writes (without it, the
+    command refuses before it starts: ``wan_sharding.cli.validate.fresh_outputs``)."""
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the outputs an earlier run left there (default: refuse, before anything runs)")

@@ -12,7 +12,8 @@ from ..jobs.pcc import PCC_THRESHOLDS, grade
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
 from ..options import CPU_BACKENDS, EXECUTING_BACKENDS
-from .args import add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, preset, stack_missing
+from .args import (add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, preset, presets, print_settings,
+                   stack_missing)
 from .validate import UsageError, apply_plan, cfg_plan, check_length, check_rope_length
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
@@ -36,10 +37,12 @@ def _validate_check(args: argparse.Namespace) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     _validate_check(args)
-    if args.plan is not None and not args.json:
-        print(f"plan: {args.plan.name}")
     if stack_missing(args.backends):
         return 1
+    if not args.json:
+        if args.plan is not None:
+            print(f"plan: {args.plan.name}")
+        print_settings(args, ", ".join(args.backends))
     cases = [Case(args.variant, length, args.dtype, args.padding, "+".join(args.patches)) for length in args.lengths]
     rows: list[dict[str, Any]] = []
     failed = False
@@ -113,7 +116,7 @@ def _meshes(args: argparse.Namespace) -> int:
 def add_subcommands(sub: Any) -> None:
     """Add ``check``, ``specs`` and ``meshes``."""
     check = sub.add_parser("check", help="PCC of the sharded tiny DiT vs unsharded (the default job)")
-    check.add_argument("--meshes", nargs="+", default=None, type=preset, choices=list(PRESET_TABLE),
+    check.add_argument("--meshes", nargs="+", default=None, type=presets, choices=list(PRESET_TABLE),
                        metavar="MESH", help=f"mesh presets (default {' '.join(DEFAULT_MESHES)}, or the plan's)")
     add_cfg(check)
     add_plan(check)

@@ -15,7 +15,8 @@ from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
 from ..options import EXECUTING_BACKENDS
-from .args import add_cache, add_cfg, add_dtype, add_mesh, add_padding, add_patches, add_plan, stack_missing
+from .args import (add_cache, add_cfg, add_dtype, add_mesh, add_overwrite, add_padding, add_patches, add_plan,
+                   print_settings, stack_missing)
 from .validate import apply_plan, check_generate, check_profile
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
@@ -44,6 +45,7 @@ def _generate(args: argparse.Namespace) -> int:
     _validate_generate(args)
     if stack_missing([args.backend]):
         return 1
+    print_settings(args, args.backend)
     run = run_generate(worker_params(args))
     if not run.ok:
         return run.returncode
@@ -54,6 +56,8 @@ def _profile(args: argparse.Namespace) -> int:
     _validate_profile(args)
     if stack_missing([args.backend]):
         return 1
+    if not args.json:
+        print_settings(args, args.backend)
     run = run_profile(worker_params(args), echo=not args.json)
     if not run.ok:
         if args.json:
@@ -95,7 +99,9 @@ def add_subcommands(sub: Any) -> None:
     add_dtype(g, None, help="default: fp32 tiny, bf16 with --model")
     g.add_argument("--video-format", default="mp4", choices=["mp4", "gif"], help="the video's format: H.264 MP4 "
                                                                                  "(default) or an animated GIF")
-    g.add_argument("--out", default="results/generate", help="directory for the video and the JSON summary")
+    g.add_argument("--out", default="results/generate", help="directory for the video and the JSON summary "
+                                                             "(default results/generate)")
+    add_overwrite(g)
     g.add_argument("--compare", action="store_true",
                    help="also run it unsharded with the same seed and print the PCC of the final latents")
     g.set_defaults(func=_generate, validate=_validate_generate)

@@ -19,6 +19,7 @@ from .validate import (
     output_dir,
     positive_float,
     positive_int,
+    server_url,
 )
 
 DEFAULT_PORT = 8765
@@ -55,6 +56,7 @@ def _validate_serve(args: argparse.Namespace) -> None:
 
 
 def _validate_submit(args: argparse.Namespace) -> None:
+    server_url(args.server)
     output_dir(args.out, "--out")
     if args.image is not None:
         from ..serve.client import read_image
