@@ -71,8 +71,13 @@ def _fixtures(root: Path) -> dict[str, str]:
     other = root / "sd-model"
     other.mkdir()
     (other / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    outputs = root / "outputs"  # what earlier runs wrote: refused unless --overwrite
+    (outputs / "blocks_2").mkdir(parents=True)
+    for name in ("t2v-a14b-jax-2x4-mask.mp4", "t2v-a14b-jax-2x4-mask.json", "report.json", "plan.json",
+                 "galaxy.ttsys"):
+        (outputs / name).write_text("an earlier run's\n")
     return {"file": str(root / "a-file"), "dir": str(root), "unwritable": UNWRITABLE,
-            "badmodel": str(bad), "notwan": str(other)}
+            "badmodel": str(bad), "notwan": str(other), "outputs": str(outputs)}
 
 
 def _fill(text: str, values: dict[str, str]) -> str:

@@ -56,12 +56,19 @@ def add_padding(ap: argparse.ArgumentParser, default: str | None) -> None:
                     help=f"how the token dim is padded to SP x 32 (default {default or 'mask, or the plan padding'})")
 
 
-def print_settings(args: argparse.Namespace, backend: str) -> None:
-    """Print what runs (``wan_sharding.options.settings_line``): ``backend``, and the command's
-    patches, step cache and CFG parallel (a plan with cfg axes, or ``--cfg 2``)."""
+def settings_for(args: argparse.Namespace) -> str:
+    """What a ``check``, ``generate`` or ``profile`` run prints first (``wan_sharding.options.settings_line``):
+    its backend(s), and the command's patches, step cache and CFG parallel (a plan with cfg axes,
+    or ``--cfg 2``), from its checked arguments."""
     plan = getattr(args, "plan", None)
     cfg = 2 if plan is not None and plan.cfg_axes else getattr(args, "cfg", 1)
-    print(settings_line(backend, getattr(args, "patches", ()), getattr(args, "cache", "none"), cfg), flush=True)
+    backend = ", ".join(args.backends) if hasattr(args, "backends") else args.backend
+    return settings_line(backend, getattr(args, "patches", ()), getattr(args, "cache", "none"), cfg)
+
+
+def print_settings(args: argparse.Namespace) -> None:
+    """Print :func:`settings_for` ``args``."""
+    print(settings_for(args), flush=True)
 
 
 def stack_missing(backends: Iterable[str]) -> bool:

@@ -42,7 +42,7 @@ def _check(args: argparse.Namespace) -> int:
     if not args.json:
         if args.plan is not None:
             print(f"plan: {args.plan.name}")
-        print_settings(args, ", ".join(args.backends))
+        print_settings(args)
     cases = [Case(args.variant, length, args.dtype, args.padding, "+".join(args.patches)) for length in args.lengths]
     rows: list[dict[str, Any]] = []
     failed = False

@@ -45,7 +45,7 @@ def _generate(args: argparse.Namespace) -> int:
     _validate_generate(args)
     if stack_missing([args.backend]):
         return 1
-    print_settings(args, args.backend)
+    print_settings(args)
     run = run_generate(worker_params(args))
     if not run.ok:
         return run.returncode
@@ -57,7 +57,7 @@ def _profile(args: argparse.Namespace) -> int:
     if stack_missing([args.backend]):
         return 1
     if not args.json:
-        print_settings(args, args.backend)
+        print_settings(args)
     run = run_profile(worker_params(args), echo=not args.json)
     if not run.ok:
         if args.json:

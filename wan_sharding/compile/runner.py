@@ -29,8 +29,9 @@ from .. import scratch, workers
 from . import sysdesc
 from .request import CompileError, CompileRequest, CompileResult
 
-# What compile_many writes into its work folder besides the requests' IR folders.
-WORK_FILES = ("*.ttsys", "worker_*.log", "trace_*.log", "ir_[0-9][0-9][0-9]")
+# What compile_many writes into its work folder besides the requests' IR folders (prepare_descriptor,
+# the worker and trace logs, IR folders of requests without their own).
+WORK_FILES = (*(f"{arch}_*.ttsys" for arch in sysdesc.ARCHS), "worker_*.log", "trace_*.log", "ir_[0-9][0-9][0-9]")
 WORKER_MODULE = "wan_sharding.compile.worker"
 TRACE_MODULE = "wan_sharding.compile.xla_lowering"  # the torch-xla frontend's worker
 # Lines the worker writes into its log (stdout and stderr merged) around each request, so the log
