@@ -250,7 +250,7 @@ def test_sysdesc_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert d["num_chips"] == 32 and d["archs"][0] == "blackhole"
     assert d["coords"][-1] == (7, 3) and len(d["channels"]) == 8 * 4 + 7 * 4
     assert str(out) in capsys.readouterr().out
-    args = _parse(["sysdesc", "--mesh", "5x5", "-o", str(out)])
+    args = _parse(["sysdesc", "--mesh", "5x5", "-o", str(tmp_path / "other.ttsys")])
     assert args.func(args) == EXIT_ERROR
 
 

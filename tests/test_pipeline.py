@@ -292,6 +292,8 @@ def test_cli_registers_generate_and_profile():
 MP4_BESIDE_JAX = textwrap.dedent("""
     import json, os, sys, warnings
     from pathlib import Path
+    from wan_sharding.jobs.launch import prepare_worker
+    prepare_worker("jax")  # as a jax worker starts: CPU JAX without the Tenstorrent plugin
     import imageio, jax.numpy as jnp, numpy as np
     from wan_sharding.pipeline.video import write_video
 

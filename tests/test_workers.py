@@ -55,8 +55,10 @@ def test_a_worker_gets_a_private_tmpdir_and_no_harmless_noise(tmp_path):
                    "    return jnp.zeros(4, jnp.bfloat16).at[:1].set(jnp.ones(1, jnp.float32))\n")
     module, env = _worker_module(tmp_path, f'''
         import importlib.util, logging, os, tempfile
-        import jax.numpy as jnp
         from wan_sharding import noise
+        from wan_sharding.backends.jax_plugins import keep_plugins_out_of_cpu_jax
+        keep_plugins_out_of_cpu_jax()  # CPU JAX, as a jax worker runs it
+        import jax.numpy as jnp
         logging.getLogger("absl").warning("Tensorflow library not found, said elsewhere")
         import flax.io  # logs the harmless one (absl) at import
         spec = importlib.util.spec_from_file_location("wan_like", {str(wan)!r})
@@ -262,6 +264,23 @@ def test_interrupting_generate_stops_its_worker_and_writes_nothing(tmp_path, sig
     assert rc == 130, stderr[-2000:]
     assert "interrupted" in stderr
     assert not out.exists() or not [p for p in out.iterdir() if not p.name.startswith(".")]
+
+
+def test_a_command_killed_outright_is_cleaned_up_by_the_next(tmp_path):
+    """SIGKILL gives a command no chance to clean up: its worker dies with it (parent-death signal)
+    and its scratch root stays, with torch's import-time temp folder beside it; the next command
+    that makes a root (the same ``sweep``) removes both, and the temp dir is empty again."""
+    from wan_sharding import scratch
+
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    rc, left, _ = _interrupt_when_working([*CLI, "generate", "--mesh", "1x4", "--steps", "500", "--out",
+                                           str(tmp_path / "out")], signal.SIGKILL, settle_s=0.5,
+                                          env={"TMPDIR": str(tmp)})
+    assert rc == -signal.SIGKILL and left == 0
+    names = sorted(p.name for p in tmp.iterdir())
+    assert len(names) == 2 and names[0].startswith("tmp") and names[1].startswith(scratch.ROOT_PREFIX), names
+    assert len(scratch.sweep(tmp)) == 2 and list(tmp.iterdir()) == []
 
 
 def test_ctrl_c_mid_compile_stops_its_worker_and_leaves_an_empty_tmpdir(tmp_path):

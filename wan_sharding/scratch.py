@@ -15,7 +15,8 @@ interrupted, and that includes what third-party code in its workers writes there
 - the root goes when the process exits (``atexit``; Ctrl-C and SIGTERM unwind to it through
   :func:`wan_sharding.workers.install_signal_handlers`). A process killed outright (SIGKILL) cannot
   clean up: the next process that makes a root removes the roots of processes that are gone
-  (:func:`sweep`).
+  (:func:`sweep`), with the temp folders its libraries made that it had adopted
+  (:func:`adopt_library_temp_dirs`).
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ import itertools
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["ROOT_PREFIX", "folder", "remove", "remove_root", "scratch_dir", "scratch_root", "sweep", "worker_tmpdir"]
+__all__ = ["ADOPTED", "ROOT_PREFIX", "adopt_library_temp_dirs", "folder", "remove", "remove_root", "scratch_dir",
+           "scratch_root", "sweep", "worker_tmpdir"]
 
 ROOT_PREFIX = "wan_sharding-"
+ADOPTED = "adopted"  # in a root: temp folders of its process's libraries, removed when a sweep removes the root
 _ROOT_NAME = re.compile(re.escape(ROOT_PREFIX) + r"(\d+)-")
 _lock = threading.Lock()
 _root: Path | None = None
@@ -83,6 +87,23 @@ def worker_tmpdir() -> Path:
     return path
 
 
+def adopt_library_temp_dirs() -> list[str]:
+    """Have the temp folders that libraries imported into this process made for it removed with its
+    root when the process is killed before they clean up (:func:`sweep`); they remove them
+    themselves at a normal exit. torch makes one whenever ``torch._dynamo`` is imported
+    (``torch.distributed.nn.jit.instantiator``: a ``tmp*`` folder with one generated module). For
+    command-line entry points, once the libraries are imported; returns what was adopted."""
+    found = []
+    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")
+    made = getattr(getattr(instantiator, "_TEMP_DIR", None), "name", None)
+    if made:
+        found.append(str(made))
+    if found:
+        with open(scratch_root() / ADOPTED, "a") as f:
+            f.writelines(p + "\n" for p in found)
+    return found
+
+
 def remove(path: str | os.PathLike[str] | None) -> None:
     """Delete ``path`` and all below it; nothing when it is gone already."""
     if path is not None:
@@ -111,9 +132,29 @@ def sweep(directory: str | os.PathLike[str] | None = None) -> list[Path]:
                 continue
             with contextlib.suppress(OSError):
                 if entry.is_dir() and not entry.is_symlink() and entry.stat().st_uid == os.getuid():
+                    for adopted in _adopted(entry, base):
+                        shutil.rmtree(adopted, ignore_errors=True)
+                        removed.append(adopted)
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry)
     return removed
+
+
+def _adopted(root: Path, base: Path) -> list[Path]:
+    """The folders ``root``'s process adopted that are still there: only folders directly in the temp
+    dir ``base`` and this user's (a stale list never reaches anything else)."""
+    try:
+        names = (root / ADOPTED).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        path = Path(name)
+        with contextlib.suppress(OSError):
+            if (path.parent == base and path.is_dir() and not path.is_symlink()
+                    and path.stat().st_uid == os.getuid()):
+                out.append(path)
+    return out
 
 
 @atexit.register
