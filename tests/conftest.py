@@ -5,10 +5,12 @@ tt-mlir compiler only ever run in subprocesses the tests start (each stack in it
 both read XLA_FLAGS, and the Tenstorrent plugin breaks JAX's CPU backend unless JAX_PLATFORMS=cpu).
 """
 
+import contextlib
 import os
 import shutil
 import signal
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,17 @@ def commands_leave_an_empty_tmpdir():
 
 def pytest_unconfigure(config):
     shutil.rmtree(COMMANDS_TMPDIR, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def stock_rotary_in_bf16():
+    """For an in-process torchax trace of diffusers' own attention processor in bf16: its
+    interleaved rotary writes float32 products into a bf16 tensor, which JAX 0.7.1's scatter casts
+    with a FutureWarning (the same values torch gives). Workers drop that one warning by message and
+    module (wan_sharding.noise); here it is dropped inside the block only, by its message."""
+    from wan_sharding.noise import HARMLESS
+
+    (entry,) = [e for e in HARMLESS if e.category is FutureWarning]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", entry.message, FutureWarning)
+        yield

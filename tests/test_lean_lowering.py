@@ -6,7 +6,6 @@ compiled block are measured through tt-mlir in docs/patches.md.
 """
 
 import contextlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from wan_sharding.models import LatentShape, build_dit, dit_inputs
 from wan_sharding.patches import apply_patches
 from wan_sharding.patches.processor import half_rotary
 
+from conftest import stock_rotary_in_bf16
 from jaxprs import equations
 
 
@@ -116,8 +116,7 @@ def test_a_patched_bf16_forward_traces_no_multiply_by_one_and_no_negation():
             jargs, jkwargs = backend._device_inputs((), inputs)
             return equations(jax.make_jaxpr(backend.jax_forward(dit))(placed, jargs, jkwargs).jaxpr)
 
-    with warnings.catch_warnings():  # diffusers' own rotary writes float32 into bf16 (wan_sharding.noise)
-        warnings.filterwarnings("ignore", "scatter inputs have incompatible types", FutureWarning)
+    with stock_rotary_in_bf16():
         vanilla = trace([])
     patched = trace(["rope", "rope_tables"])
     assert not _torchax_units(vanilla) and not _torchax_units(patched)

@@ -99,6 +99,21 @@ def test_roots_of_processes_that_died_are_swept(tmp_path):
         live.wait()
 
 
+def test_a_scratch_folder_goes_when_its_work_ends_and_a_given_one_stays(tmp_path):
+    """What the planner compiles in without ``--out`` (``scratch.folder``): removed however the
+    block ends; a folder the caller names is kept."""
+    from wan_sharding import scratch
+
+    with pytest.raises(KeyboardInterrupt):
+        with scratch.folder(None, "plan-") as work:
+            (work / "round_1").mkdir()
+            raise KeyboardInterrupt
+    assert not work.exists() and work.parent == scratch.scratch_root()
+    with scratch.folder(tmp_path / "kept", "plan-") as kept:
+        (kept / "ir.mlir").write_text("module {}")
+    assert (tmp_path / "kept" / "ir.mlir").exists()
+
+
 def test_a_hung_worker_is_restarted_then_reported(tmp_path):
     module, env = _worker_module(tmp_path, '''
         time.sleep(60)  # uses no CPU: looks exactly like the jaxlib deadlock
