@@ -4,9 +4,12 @@ A worker (:func:`wan_sharding.workers.worker_main`) calls :func:`quiet_worker` f
 :data:`HARMLESS` names the logger (or warning category), the module that emits it (a file on the
 call stack when it is made) and the start of its message, and says why it is harmless; a record
 or warning is dropped only when all three match, so nothing else from that library, and no other
-message of that logger or category, is silenced. Progress bars (tqdm, which diffusers' pipelines draw) are drawn only when the worker's
-stderr is a terminal (:func:`progress_env`, set by the worker runner): piped or redirected they
-would fill a log with carriage returns.
+message of that logger or category, is silenced.
+
+Progress bars are drawn only when the worker's stderr is a terminal: piped or redirected, they
+would fill a log with carriage returns. :func:`progress_env` (set by the worker runner) turns off
+tqdm's default for the bars of checkpoint loading; diffusers' pipelines pass their own setting, so
+their bars are turned off per pipeline (``wan_sharding.jobs.launch.quiet_progress``).
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ _DROPPED: dict[str, int] = {}
 
 
 def dropped() -> dict[str, int]:
-    """How many times each :data:`HARMLESS` log message was dropped in this process so far."""
+    """How many times each :data:`HARMLESS` message (log record or warning) was dropped in this
+    process so far, by its message."""
     return dict(_DROPPED)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from .base import DEVICE_COUNT_FLAG
 
@@ -27,9 +28,7 @@ def keep_plugins_out_of_cpu_jax() -> None:
 
 
 def _config_says_cpu() -> bool:
-    import sys
-
-    jax = sys.modules.get("jax")
+    jax = sys.modules.get("jax")  # not imported here: asking must not start it
     return jax is not None and jax.config.jax_platforms == "cpu"
 
 

@@ -107,7 +107,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     blocks = args.blocks
     if args.overwrite:  # what an earlier run left: no stale IR can then be mistaken for this run's
         for old in [out / REPORT, *_written(out, blocks)]:
-            scratch.remove(old) if old.is_dir() else old.unlink(missing_ok=True)
+            if old.is_dir():
+                scratch.remove(old)
+            else:
+                old.unlink(missing_ok=True)
     try:
         latent = latent_for(args.resolution, args.latent)
         fields = dict(
