@@ -20,6 +20,9 @@ does not have, so those are a different program on the same chips, not a check o
 
     python scripts/bench_plan.py                 # ~2 minutes: two compile batches
     python scripts/bench_plan.py --with-plans    # also the planner runs kept in results/plan_*.json
+    python scripts/bench_plan.py --plans-only    # only those planner runs
+
+docs/planner.md's figure blocks are rewritten from what it wrote (``scripts/docs_figures.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +44,10 @@ from wan_sharding.plan import ShardingPlan  # noqa: E402
 from wan_sharding.planner import Workload, chip, fabric_for, plan_sharding  # noqa: E402
 from wan_sharding.planner.compiled import estimate_from_results, requests_for  # noqa: E402
 from wan_sharding.planner.analytic import block_cost  # noqa: E402
+from wan_sharding import scratch  # noqa: E402
 from wan_sharding.workers import atomic_write  # noqa: E402
+
+import docs_figures  # noqa: E402  (scripts/, beside this one)
 
 # Reference: docs/hardware-facts.md (480p warm time, TP-only 1x4 vs TP+SP 2x4).
 MEASURED = {"1x4_seconds": 77.0, "2x4_seconds": 41.0,
@@ -115,18 +120,52 @@ def ratio_rows(costs: dict[str, dict[str, dict]]) -> list[dict]:
     return rows
 
 
+# The planner runs docs/planner.md quotes: (mesh, arch, with CFG splits), whole-mesh plans unless said.
+PLANNER_RUNS = (("8x4", "wormhole_b0", False), ("8x4", "blackhole", False), ("2x4", "wormhole_b0", False),
+                ("2x4", "blackhole", False), ("8x4", "wormhole_b0", True))
+
+
+def planner_runs(out_dir: Path) -> dict[str, dict]:
+    """Run the planner for each of :data:`PLANNER_RUNS` at 480p; write ``plan_<mesh>_<arch>_480p[_cfg-split].json``."""
+    summary = {}
+    for mesh, arch, cfg_split in PLANNER_RUNS:
+        t = time.perf_counter()
+        rep = plan_sharding(mesh, arch, "t2v-a14b", "480p", cfg_split=cfg_split)
+        data = rep.to_json()
+        data.update(wall_seconds=round(time.perf_counter() - t, 1), date=time.strftime("%Y-%m-%d"))
+        path = out_dir / f"plan_{mesh}_{arch}_480p{'_cfg-split' if cfg_split else ''}.json"
+        atomic_write(path, json.dumps(data, indent=1) + "\n")
+        rec = data["recommended"]
+        summary[f"{mesh} {arch}{' cfg-split' if cfg_split else ''}"] = {
+            "file": path.name, "wall_seconds": data["wall_seconds"],
+            "recommended": None if rec is None else rec["name"],
+            "estimated_seconds_per_forward": None if rec is None else rec["estimated_seconds_per_forward"],
+            "memory_per_chip_gb": None if rec is None else rec["memory_per_chip_gb"]}
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "results" / "plan.json"))
     ap.add_argument("--with-plans", action="store_true",
-                    help="also run the planner for 8x4 WH, 2x4 WH and 2x4 BH at 480p into results/plan_*.json")
+                    help="also run the planner for 8x4 and 2x4, Wormhole and Blackhole, at 480p into "
+                         "results/plan_*.json (and 8x4 Wormhole with CFG splits)")
+    ap.add_argument("--plans-only", action="store_true", help="only the planner runs of --with-plans")
     args = ap.parse_args(argv)
     if sysdesc.installed_plugin_version() is None:
         print("jax-tt-plugin is not installed: the compiled stage cannot run", file=sys.stderr)
         return 2
+    with scratch.folder(None, "bench_plan-") as work:
+        return _bench(args, work)
+
+
+def _bench(args: argparse.Namespace, work: Path) -> int:
+    if args.plans_only:
+        planner_runs(Path(args.out).parent)
+        print("\n".join(docs_figures.update(["plan-480p", "plan-cfg-split"])) or "docs/planner.md unchanged")
+        return 0
     t0 = time.perf_counter()
     w480, w720 = Workload.build("t2v-a14b", "480p"), Workload.build("t2v-a14b", "720p")
-    work = Path(tempfile.mkdtemp(prefix="bench_plan_"))
     costs = {}
     for arch in ("wormhole_b0", "blackhole"):
         jobs = [("1x4", w480, TP_ONLY_1X4), ("2x4", w480, TP_SP_2X4)]
@@ -164,24 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         "host": f"{platform.machine()}, python {platform.python_version()}",
     }
     if args.with_plans:
-        result["planner_runs"] = {}
-        for mesh, arch in (("8x4", "wormhole_b0"), ("8x4", "blackhole"), ("2x4", "wormhole_b0"), ("2x4", "blackhole")):
-            t = time.perf_counter()
-            # Whole-mesh plans, as docs/planner.md's table has them (CFG splits: scripts/bench_galaxies.py).
-            rep = plan_sharding(mesh, arch, "t2v-a14b", "480p", work_dir=work / f"plan_{mesh}_{arch}",
-                                cfg_split=False)
-            data = rep.to_json()
-            data["wall_seconds"] = round(time.perf_counter() - t, 1)
-            path = Path(args.out).with_name(f"plan_{mesh}_{arch}_480p.json")
-            atomic_write(path, json.dumps(data, indent=1) + "\n")
-            rec = data["recommended"]
-            result["planner_runs"][f"{mesh} {arch}"] = {
-                "file": path.name, "wall_seconds": data["wall_seconds"],
-                "recommended": None if rec is None else rec["name"],
-                "estimated_seconds_per_forward": None if rec is None else rec["estimated_seconds_per_forward"],
-                "memory_per_chip_gb": None if rec is None else rec["memory_per_chip_gb"]}
-    result["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        result["planner_runs"] = planner_runs(Path(args.out).parent)
+    result.update(wall_seconds=round(time.perf_counter() - t0, 1), date=time.strftime("%Y-%m-%d"))
     atomic_write(args.out, json.dumps(result, indent=1) + "\n")
+    print("\n".join(docs_figures.update(["plan-model", *(["plan-480p", "plan-cfg-split"] if args.with_plans else [])]))
+          or "docs/planner.md unchanged")
     print(f"{'pairing':<40} {'stage':<9} {'1x4 s':>7} {'2x4 s':>7} {'ratio':>6} {'err %':>6} "
           f"{'meas/pred 1x4':>13} {'2x4':>5}")
     for r in rows:

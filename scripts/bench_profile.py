@@ -96,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         "note": CPU_NOTE, "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                                    "python": platform.python_version()},
         "command": "python scripts/bench_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "seconds": round(time.perf_counter() - start, 1), "results": rows,
+        "seconds": round(time.perf_counter() - start, 1), "date": time.strftime("%Y-%m-%d"), "results": rows,
     }, indent=1) + "\n")
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
+    if out.resolve() == (ROOT / "results" / "profile.json").resolve():  # the file docs/pipelines.md quotes
+        import docs_figures  # scripts/, beside this one
+
+        print("\n".join(docs_figures.update(["profile"])) or "docs/pipelines.md unchanged")
     return 0
 
 

@@ -18,7 +18,8 @@ default request (4 steps, 5 frames of 64x96, seed 0):
     .venv/bin/python scripts/bench_serve.py              # N=3, C=6, Q=2, M=12: ~7 min on 2 cores
     .venv/bin/python scripts/bench_serve.py --n 5 --clients 8 --throughput-jobs 20
 
-Writes results/serve.json and prints a markdown table.
+Writes results/serve.json, prints a markdown table and rewrites docs/serving.md's figures from it
+(``scripts/docs_figures.py``).
 """
 
 from __future__ import annotations
@@ -214,6 +215,10 @@ def main() -> int:
                                                / throughput[0]["requests_per_minute"], 2)},
     }
     atomic_write(args.out, json.dumps(result, indent=1) + "\n")
+    if Path(args.out).resolve() == (Path(__file__).resolve().parents[1] / "results" / "serve.json").resolve():
+        import docs_figures  # scripts/, beside this one: docs/serving.md quotes this file
+
+        print("\n".join(docs_figures.update(["serve"])) or "docs/serving.md unchanged")
     print(f"\n{args.out}: {result['date']}, {args.n} requests each, "
           f"load average {result['setup']['load_average_start']} -> {result['setup']['load_average_end']}\n")
     print("| | p50 s | p95 s |\n|---|---|---|")

@@ -15,9 +15,11 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from wan_sharding.jobs.fuzz import MAX_ABS, MESHES, fuzz_cases, run_fuzz  # noqa: E402
 from wan_sharding.options import CPU_BACKENDS  # noqa: E402
@@ -37,8 +39,13 @@ def main() -> int:
         ap.error("--cases must be >= 1")
     cases = fuzz_cases(args.cases, args.seed, args.backends, args.meshes)
     summary = run_fuzz(cases, args.max_abs, progress=lambda s: print(s, flush=True))
-    summary = {"command": "python scripts/fuzz_sharding.py " + shlex.join(sys.argv[1:]), "seed": args.seed, **summary}
+    summary = {"command": "python scripts/fuzz_sharding.py " + shlex.join(sys.argv[1:]), "seed": args.seed,
+               "date": time.strftime("%Y-%m-%d"), **summary}
     atomic_write(args.out, json.dumps(summary, indent=1) + "\n")
+    if Path(args.out).resolve() == (ROOT / "results" / "fuzz.json").resolve():  # the file docs/check.md quotes
+        import docs_figures  # scripts/, beside this one
+
+        print("\n".join(docs_figures.update(["fuzz"])) or "docs/check.md unchanged")
     print(f"{summary['cases']} cases in {summary['seconds']:.0f} s: {summary['mismatches']} mismatches "
           f"(bound {args.max_abs:g}); worst max-abs {summary['worst_max_abs']:.2e} ({summary['worst_case']}), "
           f"min PCC {summary['min_pcc']:.9f}; summary: {args.out}")

@@ -5,8 +5,15 @@ tt-mlir compiler only ever run in subprocesses the tests start (each stack in it
 both read XLA_FLAGS, and the Tenstorrent plugin breaks JAX's CPU backend unless JAX_PLATFORMS=cpu).
 """
 
+import contextlib
 import os
+import shutil
 import signal
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 # XLA's CPU code generation without LLVM's expensive passes: every tiny-model compile in the suite
@@ -68,3 +75,39 @@ def pytest_configure(config):
         print("pytest -m tt: dry run, nothing was started")
         print("\n".join(launch_report(meshes, distributed)))
         pytest.exit("dry run", returncode=0)
+# Every process the tests start (commands, their workers, scripts) gets an empty TMPDIR of its own,
+# which must be empty again after each test module: no command leaves anything in the temp dir,
+# finished, failed or interrupted (wan_sharding.scratch). This process keeps the usual temp dir,
+# where pytest's tmp_path folders live.
+tempfile.tempdir = tempfile.gettempdir()
+COMMANDS_TMPDIR = Path(tempfile.mkdtemp(prefix="wan-sharding-tests-tmpdir-"))
+os.environ["TMPDIR"] = str(COMMANDS_TMPDIR)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def commands_leave_an_empty_tmpdir():
+    """After each module: nothing the module's commands and workers started is left in their
+    TMPDIR (what is there is named, then removed so the next module starts clean)."""
+    yield
+    left = sorted(COMMANDS_TMPDIR.iterdir())
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    assert not left, f"left in the commands' TMPDIR: {[p.name for p in left]}"
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(COMMANDS_TMPDIR, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def stock_rotary_in_bf16():
+    """For an in-process torchax trace of diffusers' own attention processor in bf16: its
+    interleaved rotary writes float32 products into a bf16 tensor, which JAX 0.7.1's scatter casts
+    with a FutureWarning (the same values torch gives). Workers drop that one warning by message and
+    module (wan_sharding.noise); here it is dropped inside the block only, by its message."""
+    from wan_sharding.noise import HARMLESS
+
+    (entry,) = [e for e in HARMLESS if e.category is FutureWarning]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", entry.message, FutureWarning)
+        yield

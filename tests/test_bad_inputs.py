@@ -76,9 +76,14 @@ def _fixtures(root: Path) -> dict[str, str]:
     no_encoder = root / "wan-without-text-encoder"  # saved with prompt embeddings in its place
     no_encoder.mkdir()
     (no_encoder / "model_index.json").write_text('{"_class_name": "WanPipeline", "text_encoder": [null, null]}')
+    outputs = root / "outputs"  # what earlier runs wrote: refused unless --overwrite
+    (outputs / "blocks_2").mkdir(parents=True)
+    for name in ("t2v-a14b-jax-2x4-mask.mp4", "t2v-a14b-jax-2x4-mask.json", "report.json", "plan.json",
+                 "galaxy.ttsys"):
+        (outputs / name).write_text("an earlier run's\n")
     return {"file": str(root / "a-file"), "dir": str(root), "unwritable": UNWRITABLE,
             "badmodel": str(bad), "notwan": str(other), "plan": str(root / "plan-2x4.json"),
-            "noencoder": str(no_encoder)}
+            "noencoder": str(no_encoder), "outputs": str(outputs)}
 
 
 def _fill(text: str, values: dict[str, str]) -> str:

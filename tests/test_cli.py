@@ -1,8 +1,11 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from wan_sharding.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_meshes_lists_every_preset(capsys):
@@ -27,3 +30,25 @@ def test_default_job_prints_pcc_per_mesh_and_backend():
     row = next(line for line in proc.stdout.splitlines() if line.startswith("jax "))
     assert "105->128" in row and " mask " in row and "FAIL" not in row
     assert "all within bounds (fp32 PCC >= 0.99999, max|diff| <= 1e-04; bf16 PCC >= 0.99)" in proc.stdout
+    # what ran first, then the table's header as the README shows it (tests/test_docs.py: the README's
+    # settings line is what `wan-sharding` prints for its own arguments)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "backend: jax; patches: none; cache: none; cfg: 1; text encoder: host; vae: host"
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert lines[1] == next(line for line in readme if line.startswith("backend mesh"))
+
+
+def test_the_settings_line_names_patches_cache_and_cfg(tmp_path):
+    from wan_sharding.cli import parse_and_validate
+    from wan_sharding.cli.args import settings_for
+
+    args = parse_and_validate(["generate", "--patches", "exact", "--cache", "fbc", "--out", str(tmp_path)])
+    assert settings_for(args) == ("backend: jax; patches: patchify, rope, qkv, rope_tables, prompt_kv, ffn_rows; "
+                                  "cache: fbc; cfg: 1; text encoder: host; vae: host")
+    args = parse_and_validate(["check", "--cfg", "2", "--backends", "xla", "--patches", "qkv"])
+    assert settings_for(args) == ("backend: xla; patches: qkv; cache: none; "
+                                  "cfg: 2 (cond and uncond as one program, one per half of the mesh); "
+                                  "text encoder: host; vae: host")
+    # where the components run: as asked, and --vae's default per backend (mesh on tt)
+    args = parse_and_validate(["check", "--backends", "jax", "tt", "--text-encoder", "mesh"])
+    assert settings_for(args).endswith("; text encoder: mesh; vae: host (jax), mesh (tt)")

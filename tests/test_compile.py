@@ -23,7 +23,7 @@ import pytest
 
 from wan_sharding.cli.compile import add_subcommands
 from wan_sharding.compile import (EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, CompileResult,
-                                  compile_many, latent_for, per_block_bill, sysdesc, ttnn_ir)
+                                  compile_many, format_report, latent_for, per_block_bill, sysdesc, ttnn_ir)
 from wan_sharding.compile.bill import bill_problems, masked_attention_per_block, padding_cost, tile_alignment
 from wan_sharding.mesh import mesh_from_preset
 
@@ -210,8 +210,14 @@ def test_compile_command_json_and_exit_code(cli_runs) -> None:
                                       "experimental-enable-dram-space-saving-optimization": "false"}
     assert report["tile_aligned"] is False and report["token_dims"] == [6]
     assert report["ops"]["mesh_partition"] == 4
-    assert (out / "report.json").exists()
+    assert (out / "report.json").exists() and report["report_path"] == str(out / "report.json")
     assert report["padding_ops_per_block"] == {} and report["padding_ops_per_forward"] == {}
+    text = format_report(report).splitlines()
+    assert text[1] == "backend: tt-mlir compile-only (torchax frontend); patches: none; cache: none; cfg: 1"
+    # what stays: report.json and the IRs it names; the twin, the other IRs, logs and descriptor are gone
+    kept = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert kept == sorted(["report.json", *(str(Path(report[k]).relative_to(out)) for k in ("ttnn_path", "ttir_path"))])
+    assert report["removed_bytes"] > 0
 
 
 @needs_plugin
@@ -244,7 +250,7 @@ def test_sysdesc_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert d["num_chips"] == 32 and d["archs"][0] == "blackhole"
     assert d["coords"][-1] == (7, 3) and len(d["channels"]) == 8 * 4 + 7 * 4
     assert str(out) in capsys.readouterr().out
-    args = _parse(["sysdesc", "--mesh", "5x5", "-o", str(out)])
+    args = _parse(["sysdesc", "--mesh", "5x5", "-o", str(tmp_path / "other.ttsys")])
     assert args.func(args) == EXIT_ERROR
 
 

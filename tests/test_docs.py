@@ -23,9 +23,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOPICS = ["check.md", "pipelines.md", "caching.md", "compile-only.md", "compile-hardware.md", "tt-backend.md", "patches.md", "planner.md",
           "meshes.md", "serving.md", "bad-inputs.md", "design.md", "hardware-facts.md", "tt-mlir-notes.md", "results.md",
           "layout.md", "text-encoder.md", "pipeline-stages.md"]
-# What commands write (named in example output, made by the command, not kept in git): generate's
-# and submit's default --out, serve's --store, and the report `pytest -m tt` writes on hardware.
-OUTPUT_DIRS = ("results/generate/", "results/submit", "results/serve", "results/tt-first-run-")
+# What commands write (named in example output, made by the command, not kept in git): generate's,
+# compile's and submit's default --out, serve's --store, and the report `pytest -m tt` writes on hardware.
+OUTPUT_DIRS = ("results/generate", "results/compile/", "results/submit", "results/serve", "results/tt-first-run-")
 
 
 def _code_blocks(text: str) -> list[str]:
@@ -94,6 +94,8 @@ def test_every_quoted_command_parses_and_validates(page: str, command: str, plan
     from wan_sharding.cli import UsageError, parse_and_validate
 
     argv = shlex.split(command)[1:]
+    if "--write" in argv:  # the plan a quoted `plan --write` makes is not there yet (it is refused otherwise)
+        (plan_files / argv[argv.index("--write") + 1]).unlink(missing_ok=True)
     before = sorted(p.name for p in plan_files.iterdir())
     try:
         parse_and_validate(argv)
@@ -164,9 +166,11 @@ def test_each_page_starts_with_what_a_user_runs(topic: str) -> None:
     assert "```" in head, f"docs/{topic} should open with the command or code a user runs"
 
 
-def test_the_readme_example_runs_as_written(tmp_path: Path) -> None:
-    """The README's Python example, run as a user would (a fresh process, its own environment
-    settings), writes its video and imports the sharding API from ``wan_sharding`` alone."""
+def test_the_readme_example_runs_with_and_without_its_environment_line(tmp_path: Path) -> None:
+    """The README's Python example, run as a user would (a fresh process, a clean environment:
+    no JAX or XLA settings), writes its video and imports the sharding API from ``wan_sharding``
+    alone: as written, and without its ``os.environ.update(...)`` line, where the package sets JAX
+    up for the CPU devices itself (no Tenstorrent plugin log). Both run at once."""
     import os
     import subprocess
     import sys
@@ -176,9 +180,94 @@ def test_the_readme_example_runs_as_written(tmp_path: Path) -> None:
     example = blocks[0]
     imports = re.findall(r"^from (wan_sharding\S*) import", example, flags=re.M)
     assert "wan_sharding" in imports and set(imports) <= {"wan_sharding", "wan_sharding.pipeline.tiny"}
+    bare = "\n".join(line for line in example.splitlines() if not line.startswith("os.environ.update("))
+    assert len(bare.splitlines()) == len(example.splitlines()) - 1, "the example sets its environment in one line"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}  # the example sets them
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    run = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert (tmp_path / "wan_sharded.gif").stat().st_size > 1000
+    runs = {}
+    for name, code in (("as-written", example), ("no-env-line", bare)):
+        (tmp_path / name).mkdir()
+        runs[name] = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path / name, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for name, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (name, err[-3000:])
+        assert (tmp_path / name / "wan_sharded.gif").stat().st_size > 1000, name
+        assert "No chips detected" not in err and "Unable to initialize backend" not in err, (name, err[-3000:])
+
+
+# ---- figures and sample outputs -----------------------------------------------------------------
+
+
+def _figures():
+    """``scripts/docs_figures.py`` (the docs' figure blocks, rendered from results/)."""
+    import importlib.util
+
+    import sys
+
+    if "docs_figures" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "scripts" / "docs_figures.py")
+        sys.modules["docs_figures"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["docs_figures"])
+    return sys.modules["docs_figures"]
+
+
+def test_every_figure_block_is_what_its_results_give() -> None:
+    """Each table and sentence between ``<!-- figures:NAME -->`` marks is exactly what
+    ``scripts/docs_figures.py`` renders from ``results/*.json`` now: an edited figure, or a re-run
+    whose page was not rewritten, fails here."""
+    figures = _figures()
+    assert len(figures.BLOCKS) >= 6 and {b.page for b in figures.BLOCKS.values()} >= {"docs/planner.md",
+                                                                                       "docs/check.md"}
+    assert figures.stale() == [], "run: .venv/bin/python scripts/docs_figures.py"
+
+
+@pytest.mark.parametrize("name", ["plan-480p", "plan-cfg-split", "plan-model", "fuzz", "profile", "serve"])
+def test_an_edited_figure_is_caught(name: str) -> None:
+    """The check above can fail: a copy of the page with one figure of the block changed is stale."""
+    figures = _figures()
+    page = figures.BLOCKS[name].page
+    text = (ROOT / page).read_text()
+    body = next(m["body"] for m in figures.MARK.finditer(text) if m["name"] == name)
+    edited = re.sub(r"\d+\.\d+", lambda m: f"{float(m.group()) + 1:.{len(m.group().split('.')[1])}f}", body, count=1)
+    assert edited != body
+    assert figures.stale(texts={page: text.replace(body, edited)}) == [f"{page}: {name}"]
+
+
+def _sample_outputs() -> list[tuple[str, str, str]]:
+    """(page, command, the line after it) for every ``$ .../wan-sharding ...`` line in a code block."""
+    found = []
+    for page in PAGES:
+        for block in _code_blocks(page.read_text()):
+            lines = block.splitlines()
+            for line, after in zip(lines, lines[1:] + [""]):
+                m = re.match(r"^\$ \S*wan-sharding(\s.*)?$", line)
+                if m:
+                    found.append((page.relative_to(ROOT).as_posix(), "wan-sharding" + (m.group(1) or ""), after))
+    return found
+
+
+def _command_word(command: str) -> str:
+    words = command.split()
+    return words[1] if len(words) > 1 and not words[1].startswith("-") else "check"
+
+
+# the samples of the commands that print a settings line first (not with --json)
+SAMPLES = [s for s in _sample_outputs() if _command_word(s[1]) in ("check", "generate", "profile")
+           and "--json" not in s[1].split()]
+
+
+def test_the_docs_show_sample_outputs_of_the_commands_that_print_settings() -> None:
+    assert {_command_word(c) for _, c, _ in SAMPLES} == {"check", "generate", "profile"}
+
+
+@pytest.mark.parametrize("page,command,first", SAMPLES, ids=[f"{p}:{c}" for p, c, _ in SAMPLES])
+def test_a_documented_output_starts_as_the_command_prints(page: str, command: str, first: str,
+                                                          plan_files: Path) -> None:
+    """A sample output of check, generate or profile starts with the settings line that command
+    prints (``cli.args.settings_for``, which the runs in tests/test_cli.py and tests/test_pipeline.py
+    check against what the commands print)."""
+    from wan_sharding.cli import parse_and_validate
+    from wan_sharding.cli.args import settings_for
+
+    assert first == settings_for(parse_and_validate(shlex.split(command)[1:])), f"{page}: `{command}`"

@@ -212,7 +212,9 @@ def test_generate_writes_video_and_summary_and_matches_unsharded_xla(jobs):
     UMT5 encoder sharded, the final latents against the unsharded pipeline's."""
     proc = jobs["generate"].result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] == "backend: xla; patches: none; cache: none; cfg: 1"
     assert "compare: final latents sharded vs unsharded PCC" in proc.stdout
+    assert "it/s]" not in proc.stderr  # its stderr is a pipe here: no progress bars
     summary = json.loads(Path(jobs["out"], "t2v-a14b-xla-2x4-slice.json").read_text())
     assert summary["backend"] == "xla" and summary["mesh"] == "2x4" and summary["steps"] == 2
     assert summary["experts"] == ["transformer", "transformer_2"]
@@ -308,6 +310,8 @@ def test_cli_registers_generate_and_profile():
 MP4_BESIDE_JAX = textwrap.dedent("""
     import json, os, sys, warnings
     from pathlib import Path
+    from wan_sharding.jobs.launch import prepare_worker
+    prepare_worker("jax")  # as a jax worker starts: CPU JAX without the Tenstorrent plugin
     import imageio, jax.numpy as jnp, numpy as np
     from wan_sharding.pipeline.video import write_video
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -32,6 +31,7 @@ import pytest
 from conftest import CPU_COMPILE_FLAGS
 from test_workers import _workers_of
 
+from wan_sharding import scratch
 from wan_sharding.cli import UsageError, build_parser
 from wan_sharding.serve import Client
 
@@ -133,7 +133,8 @@ class Server:
             self.proc.wait()
         for pid in _workers_of(self.proc.pid):
             os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(self.store / "tmp", ignore_errors=True)  # what a stopped server removes itself
+        # killed outright, it could not remove its temporary folders: the next command would (the same sweep)
+        scratch.sweep(_env()["TMPDIR"])
 
 
 def _none_left(pid: int) -> bool:

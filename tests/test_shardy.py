@@ -149,10 +149,11 @@ def test_converted_module_compiles_on_tt(tmp_path: Path, request: pytest.Fixture
     """The converted Linear-pair module compiles on the TT PJRT client in compile-only mode (and
     the GSPMD original does not). First in the file on purpose: the plugin starts up (~20 s,
     mostly waiting) while the torch-xla probes run."""
-    from wan_sharding.compile.runner import prepare_descriptor, private_tmpdir, remove_assets, worker_env
+    from wan_sharding import scratch
+    from wan_sharding.compile.runner import prepare_descriptor, worker_env
 
     desc = prepare_descriptor(arch="wormhole_b0", num_chips=8, directory=tmp_path)
-    tmp = private_tmpdir(tmp_path)
+    tmp = scratch.worker_tmpdir()
     worker = subprocess.Popen([sys.executable, "-c", TT_WORKER], env=worker_env(desc, tmp), text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -167,7 +168,7 @@ def test_converted_module_compiles_on_tt(tmp_path: Path, request: pytest.Fixture
         if worker.poll() is None:
             worker.kill()
             worker.wait()
-        remove_assets(tmp)
+        scratch.remove(tmp)
     results = [json.loads(ln[len("RESULT "):]) for ln in log.splitlines() if ln.startswith("RESULT ")]
     assert len(results) == 2, log[-4000:]
     gspmd, shardy = results

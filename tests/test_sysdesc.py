@@ -187,15 +187,16 @@ _PROBE = textwrap.dedent(
 
 
 def _run_plugin(desc: Path) -> subprocess.CompletedProcess[str]:
-    from wan_sharding.compile.runner import private_tmpdir, remove_assets, worker_env
+    from wan_sharding import scratch
+    from wan_sharding.compile.runner import worker_env
 
     # A private TMPDIR: the plugin keeps its descriptor copy at a fixed path under it.
-    tmp = private_tmpdir(desc.parent)
+    tmp = scratch.worker_tmpdir()
     try:
         return subprocess.run([sys.executable, "-c", _PROBE], env=worker_env(desc, tmp), capture_output=True,
                               text=True, timeout=180)
     finally:
-        remove_assets(tmp)
+        scratch.remove(tmp)
 
 
 @needs_plugin

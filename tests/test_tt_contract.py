@@ -447,11 +447,17 @@ def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tu
     import subprocess
     from pathlib import Path
 
+    from wan_sharding import scratch
     from wan_sharding.jobs.launch import worker_env
 
     script = Path(__file__).with_name("tt_graphs.py")
-    proc = subprocess.run([sys.executable, str(script), preset, parts, str(models), *cases],
-                          env=worker_env("xla", devices), capture_output=True, text=True, timeout=900)
+    tmp = scratch.worker_tmpdir()  # as the worker runner gives a worker: dynamo's caches go with it
+    try:
+        proc = subprocess.run([sys.executable, str(script), preset, parts, str(models), *cases],
+                              env={**worker_env("xla", devices), "TMPDIR": str(tmp)}, capture_output=True, text=True,
+                              timeout=900)
+    finally:
+        scratch.remove(tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):])

@@ -44,6 +44,76 @@ def test_protocol_params_in_results_out(tmp_path):
     assert "RESULT" not in run.output
 
 
+def test_a_worker_gets_a_private_tmpdir_and_no_harmless_noise(tmp_path):
+    """Each worker writes its temporary files in a TMPDIR of its own, deleted when it stops (what
+    it left there included); the known-harmless third-party messages are dropped by message and
+    module (wan_sharding.noise): the real ones, from flax's import and from a JAX scatter called
+    from diffusers' Wan module, while the same messages from anywhere else still show."""
+    wan = tmp_path / "diffusers" / "models" / "transformers" / "transformer_wan.py"
+    wan.parent.mkdir(parents=True)
+    wan.write_text("import jax.numpy as jnp\n\ndef rotary():\n"
+                   "    return jnp.zeros(4, jnp.bfloat16).at[:1].set(jnp.ones(1, jnp.float32))\n")
+    module, env = _worker_module(tmp_path, f'''
+        import importlib.util, logging, os, tempfile
+        from wan_sharding import noise
+        from wan_sharding.backends.jax_plugins import keep_plugins_out_of_cpu_jax
+        keep_plugins_out_of_cpu_jax()  # CPU JAX, as a jax worker runs it
+        import jax.numpy as jnp
+        logging.getLogger("absl").warning("Tensorflow library not found, said elsewhere")
+        import flax.io  # logs the harmless one (absl) at import
+        spec = importlib.util.spec_from_file_location("wan_like", {str(wan)!r})
+        wan_like = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(wan_like)
+        wan_like.rotary()  # the scatter's FutureWarning, from diffusers' Wan module: dropped
+        jnp.zeros(4, jnp.bfloat16).at[:1].set(jnp.ones(1, jnp.float32))  # the same from here: shown
+        open(os.path.join(tempfile.gettempdir(), "left-behind"), "w").close()
+        return [{{"tmpdir": tempfile.gettempdir(), "dropped": noise.dropped(), "tqdm": os.environ.get("TQDM_DISABLE")}}]
+    ''')
+    run = run_worker(module, {}, env, label="fake")
+    assert run.ok, run.output
+    (r,) = run.results
+    assert Path(r["tmpdir"]).name.startswith("worker-") and not Path(r["tmpdir"]).exists()
+    assert set(r["dropped"].values()) == {1} and len(r["dropped"]) == 2, r["dropped"]
+    assert "said elsewhere" in run.output and "Tensorflow library not found, tensorflow.io" not in run.output
+    assert run.output.count("scatter inputs have incompatible types") == 1, run.output
+    assert r["tqdm"] == "1"  # its stderr is a pipe: no progress bars
+
+
+def test_roots_of_processes_that_died_are_swept(tmp_path):
+    """A command killed outright (SIGKILL) cannot remove its scratch root; the next one that makes
+    a root removes the roots of processes that are gone, and only those."""
+    from wan_sharding import scratch
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        for pid in (gone, live.pid):
+            (tmp_path / f"{scratch.ROOT_PREFIX}{pid}-x" / "worker-1").mkdir(parents=True)
+        (tmp_path / "someone-elses").mkdir()
+        assert [p.name for p in scratch.sweep(tmp_path)] == [f"{scratch.ROOT_PREFIX}{gone}-x"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{scratch.ROOT_PREFIX}{live.pid}-x",
+                                                                    "someone-elses"])
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_scratch_folder_goes_when_its_work_ends_and_a_given_one_stays(tmp_path):
+    """What the planner compiles in without ``--out`` (``scratch.folder``): removed however the
+    block ends; a folder the caller names is kept."""
+    from wan_sharding import scratch
+
+    with pytest.raises(KeyboardInterrupt):
+        with scratch.folder(None, "plan-") as work:
+            (work / "round_1").mkdir()
+            raise KeyboardInterrupt
+    assert not work.exists() and work.parent == scratch.scratch_root()
+    with scratch.folder(tmp_path / "kept", "plan-") as kept:
+        (kept / "ir.mlir").write_text("module {}")
+    assert (tmp_path / "kept" / "ir.mlir").exists()
+
+
 def test_a_hung_worker_is_restarted_then_reported(tmp_path):
     module, env = _worker_module(tmp_path, '''
         time.sleep(60)  # uses no CPU: looks exactly like the jaxlib deadlock
@@ -162,17 +232,19 @@ def _workers_of(pid: int) -> list[int]:
     return found
 
 
-def _interrupt_when_working(cmd: list[str], sig: int, settle_s: float = 4.0) -> tuple[int, int, str]:
-    """Start ``cmd``, wait until its worker runs, let it work ``settle_s``, send ``sig`` to the
-    command (as Ctrl-C does to the foreground process); returns (rc, workers left, stderr)."""
-    env = dict(os.environ)
+def _interrupt_when_working(cmd: list[str], sig: int, settle_s: float = 4.0, env: dict[str, str] | None = None,
+                            ready=None) -> tuple[int, int, str]:
+    """Start ``cmd``, wait until its worker runs (and ``ready()`` holds), let it work ``settle_s``,
+    send ``sig`` to the command (as Ctrl-C does to the foreground process); returns (rc, workers
+    left, stderr)."""
+    env = {**os.environ, **(env or {})}
     env.pop("JAX_PLATFORMS", None)  # the command sets up its workers' environments itself
     env["XLA_FLAGS"] = CPU_COMPILE_FLAGS  # without the suite's device count
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not _workers_of(proc.pid):
+        while not _workers_of(proc.pid) or (ready is not None and not ready()):
             assert proc.poll() is None, f"the command ended before it started a worker: {proc.stderr.read()}"
             assert time.monotonic() < deadline, "no worker appeared within 120 s"
             time.sleep(0.2)
@@ -209,13 +281,37 @@ def test_interrupting_generate_stops_its_worker_and_writes_nothing(tmp_path, sig
     assert not out.exists() or not [p for p in out.iterdir() if not p.name.startswith(".")]
 
 
-def test_ctrl_c_on_compile_stops_its_worker(tmp_path):
+def test_a_command_killed_outright_is_cleaned_up_by_the_next(tmp_path):
+    """SIGKILL gives a command no chance to clean up: its worker dies with it (parent-death signal)
+    and its scratch root stays, with torch's import-time temp folder beside it; the next command
+    that makes a root (the same ``sweep``) removes both, and the temp dir is empty again."""
+    from wan_sharding import scratch
+
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    rc, left, _ = _interrupt_when_working([*CLI, "generate", "--mesh", "1x4", "--steps", "500", "--out",
+                                           str(tmp_path / "out")], signal.SIGKILL, settle_s=0.5,
+                                          env={"TMPDIR": str(tmp)})
+    assert rc == -signal.SIGKILL and left == 0
+    names = sorted(p.name for p in tmp.iterdir())
+    assert len(names) == 2 and names[0].startswith("tmp") and names[1].startswith(scratch.ROOT_PREFIX), names
+    assert len(scratch.sweep(tmp)) == 2 and list(tmp.iterdir()) == []
+
+
+def test_ctrl_c_mid_compile_stops_its_worker_and_leaves_an_empty_tmpdir(tmp_path):
+    """Ctrl-C once the compile worker has loaded the Tenstorrent plugin, which unpacked its runtime
+    (~400 MB) into the worker's TMPDIR: no worker is left, no report, and the command's TMPDIR is
+    empty again."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    loaded = lambda: any(tmp.glob("wan_sharding-*/worker-*/libtt-tt-metal-runtime-assets-*"))  # noqa: E731
     rc, left, stderr = _interrupt_when_working(
         [*CLI, "compile", "--size", "tiny", "--mesh", "1x4", "--blocks", "1",
-         "--out", str(tmp_path / "ir")], signal.SIGINT, settle_s=2.0)
+         "--out", str(tmp_path / "ir")], signal.SIGINT, settle_s=1.0, env={"TMPDIR": str(tmp)}, ready=loaded)
     assert left == 0
     assert rc == 130, stderr[-2000:]
     assert not (tmp_path / "ir" / "report.json").exists()
+    assert list(tmp.iterdir()) == []
 
 
 @pytest.mark.parametrize("backend,count", [("jax", "--xla_force_host_platform_device_count=4"), ("xla", None)])

@@ -69,13 +69,15 @@ class MaskPaddedKeys(PaddedAttention):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same interleaved-pair rotation as WanAttnProcessor (checked bit-exact in the tests).
+    # Same interleaved-pair rotation as WanAttnProcessor (checked bit-exact in the tests), with the
+    # cast of the (float32-table) products to x's dtype written out: torch's setitem casts them
+    # silently, JAX's scatter under torchax warns that it will refuse to (a FutureWarning per block).
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[..., 0::2], sin[..., 1::2]
     out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
+    out[..., 0::2] = (x1 * cos - x2 * sin).to(out.dtype)
+    out[..., 1::2] = (x1 * sin + x2 * cos).to(out.dtype)
+    return out
 
 
 class SliceKV(PaddedAttention):

@@ -253,11 +253,13 @@ def build_vae(kind: str = "wan2.1", size: str = "tiny", device: str | torch.devi
     cfg = {**vae_config(kind, size), **overrides}
     if str(device) == "meta":
         with torch.device("meta"):
-            return AutoencoderKLWan(**cfg).to(dtype)
+            return torch.nn.Module.to(AutoencoderKLWan(**cfg), dtype)
     g = torch.Generator().manual_seed(seed + 7)
     z_dim = cfg.get("z_dim", 16)
     cfg.setdefault("latents_mean", (torch.randn(z_dim, generator=g) * 0.5).tolist())
     cfg.setdefault("latents_std", (torch.rand(z_dim, generator=g) + 0.5).tolist())
     torch.manual_seed(seed)
     vae = AutoencoderKLWan(**cfg)
-    return vae.to(device=device, dtype=dtype).eval()
+    # torch's own cast: diffusers' ModelMixin.to would log that modules "should be kept in float32",
+    # naming none (AutoencoderKLWan keeps no module in float32)
+    return torch.nn.Module.to(vae, device=device, dtype=dtype).eval()

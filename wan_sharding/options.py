@@ -39,6 +39,18 @@ COMPONENTS: tuple[str, ...] = ("dit", "vae", "text-encoder")
 DEFAULT_COMPONENT = "dit"
 
 
+# Where the VAE runs (``--vae``). By default ``mesh`` on ``tt``, where a sharded decode turns minutes
+# of host decode after denoising into seconds; ``host`` on the CPU backends, where a host decode is
+# the reference itself and the mesh's virtual devices share the same cores (a sharded decode would
+# only add its halo work and collectives to the same CPU time).
+VAE_PLACEMENTS: tuple[str, ...] = ("mesh", "host")
+
+
+def vae_placement(value: str | None, backend: str) -> str:
+    """``--vae`` as given, else the backend's default (above)."""
+    return value if value is not None else ("mesh" if backend == "tt" else "host")
+
+
 # ---- padding ---------------------------------------------------------------------------------
 # How the flat token dim is padded to SP x 32 and attention kept exact
 # (``wan_sharding.attention`` implements each; ``docs/design.md`` says what each costs).
@@ -61,3 +73,17 @@ CPU_BACKENDS: tuple[str, ...] = ("xla", "jax")
 # Every backend a command can run a forward on: the CPU ones, and ``tt`` on Tenstorrent devices
 # (with Tenstorrent's stack; without it the command says what is missing and exits 1).
 EXECUTING_BACKENDS: tuple[str, ...] = (*CPU_BACKENDS, "tt")
+
+
+# ---- what ran ----------------------------------------------------------------------------------
+
+
+def settings_line(backend: str, patches: Any = (), cache: str | None = "none", cfg: int = 1,
+                  places: dict[str, str] | None = None) -> str:
+    """The line ``check``, ``compile``, ``generate`` and ``profile`` print before their results: the
+    backend, and the options that change the model or the loop, each named even when off
+    (``patches: none``), so an output says what produced it; ``places``: where the pipeline's other
+    components run (``{"text encoder": "host", "vae": "mesh"}``), for the commands that run them."""
+    line = (f"backend: {backend}; patches: {', '.join(patches) or 'none'}; cache: {cache or 'none'}; "
+            f"cfg: {cfg}{' (cond and uncond as one program, one per half of the mesh)' if cfg == 2 else ''}")
+    return line + "".join(f"; {name}: {where}" for name, where in (places or {}).items())

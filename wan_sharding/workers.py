@@ -34,7 +34,9 @@ and parent-death guarantees; its side is :func:`resident_worker_main` (a configu
 one request per stdin line, ``RESULT`` lines back).
 
 Files a job writes go through :func:`atomic_write` (a temporary name, renamed when complete), so an
-interrupted job leaves no half-written file that looks complete.
+interrupted job leaves no half-written file that looks complete. Every worker gets a private
+``TMPDIR`` (:func:`wan_sharding.scratch.worker_tmpdir`), deleted when the worker is stopped, so
+nothing it or the libraries it runs write there outlives it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping
 
+from . import noise, scratch
 from .processes import kill_tree, tree_cpu_ticks
 
 STALL_SECONDS = 90  # a worker that uses (almost) no CPU for this long is hung, not slow
@@ -84,7 +87,7 @@ class WorkerRun:
 
 # ------------------------------------------------------------------------------------ parent side
 
-_LIVE: set[subprocess.Popen] = set()
+_LIVE: dict[subprocess.Popen, Path] = {}  # each live worker and its private TMPDIR
 _LIVE_LOCK = threading.Lock()
 
 
@@ -126,7 +129,8 @@ def _kill_all() -> None:
     with _LIVE_LOCK:
         live = list(_LIVE)
     for proc in live:
-        _kill_group(proc)
+        stop_worker(proc)
+    scratch.remove_root()  # after the workers: none of them writes there any more
 
 
 def install_signal_handlers() -> None:
@@ -232,15 +236,19 @@ def run_worker(module: str, params: Any, env: Mapping[str, str] | None = None, *
 
 
 def _start(cmd: list[str], env: Mapping[str, str], stderr: IO[str] | int | None, label: str) -> subprocess.Popen:
-    """Start a worker in its own process group (so its whole group can be killed), registered
-    for the at-exit cleanup."""
+    """Start a worker in its own process group (so its whole group can be killed) with a private
+    ``TMPDIR``, registered for the at-exit cleanup."""
+    tmp = scratch.worker_tmpdir()
+    # progress bars only where the worker's stderr is a terminal: ours, when it inherits it
+    env = noise.progress_env({**env, "TMPDIR": str(tmp)}, stderr is None and noise.is_terminal(sys.stderr))
     try:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                text=True, errors="replace", start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                errors="replace", start_new_session=True)
     except OSError as e:
+        scratch.remove(tmp)
         raise WorkerError(f"cannot start {label} ({' '.join(cmd)}): {e}") from e
     with _LIVE_LOCK:
-        _LIVE.add(proc)
+        _LIVE[proc] = tmp
     return proc
 
 
@@ -259,10 +267,11 @@ def start_resident_worker(module: str, env: Mapping[str, str] | None = None, *, 
 
 def stop_worker(proc: subprocess.Popen) -> None:
     """Kill a worker, its descendants and what is left in its process group (:func:`kill_tree`;
-    after the worker ended, what it left behind) and forget it."""
+    after the worker ended, what it left behind), delete its private ``TMPDIR`` and forget it."""
     _kill_group(proc)
     with _LIVE_LOCK:
-        _LIVE.discard(proc)
+        tmp = _LIVE.pop(proc, None)
+    scratch.remove(tmp)
 
 
 def _run_once(cmd: list[str], payload: str, env: dict[str, str], label: str, echo: bool, merge: bool,
@@ -328,6 +337,7 @@ def resident_worker_main(setup: Callable[[Any], Any], handle: Callable[[Any, Any
     ``setup(config)`` builds the state (it may :func:`emit` as it goes); then every further line is
     a request, ``handle(state, request)``, until stdin closes. The worker dies with its parent."""
     _die_with_parent()
+    noise.quiet_worker()
     state = setup(json.loads(sys.stdin.readline() or "null"))
     for line in sys.stdin:
         if line.strip():
@@ -346,6 +356,7 @@ def worker_main(job: Callable[[Any], Iterable[Mapping[str, Any]] | None],
     and emit what it returns (a job may also :func:`emit` as it goes). An exception of a type in
     ``expected`` is a usage error: one line on stderr, exit 2."""
     _die_with_parent()
+    noise.quiet_worker()
     params = json.loads(sys.stdin.read() or "null")
     try:
         for result in job(params) or ():

@@ -19,7 +19,7 @@ import torch
 from ..mesh import MeshSpec
 from ..specs import Spec
 from .base import DEVICE_COUNT_FLAG, Backend, BackendError, Program, input_signature, slice_bytes, with_xla_flags
-from .jax_plugins import keep_plugins_out_of_cpu_jax
+from .jax_plugins import keep_plugins_out_of_cpu_jax, start_cpu_jax
 from .torchax_ops import install_lean_lowerings
 
 
@@ -39,8 +39,14 @@ class JaxBackend(Backend):
             from jax.sharding import Mesh
         except ImportError as e:  # pragma: no cover - jax is a hard dependency
             raise BackendError(f"jax is not importable ({e}); install wan_sharding's pinned stack") from e
+        if self._devices is None:
+            start_cpu_jax(mesh.num_devices)  # a script that did not set JAX up: CPU devices, no plugin
         keep_plugins_out_of_cpu_jax()
-        devices = self._devices if self._devices is not None else jax.devices()
+        try:
+            devices = self._devices if self._devices is not None else jax.devices()
+        except RuntimeError as e:  # a platform JAX_PLATFORMS names could not start
+            raise BackendError(f"JAX could not start its devices ({str(e).splitlines()[0][:200]}); for CPU virtual "
+                               "devices leave JAX_PLATFORMS unset or set it to cpu") from None
         if len(devices) < mesh.num_devices or (self._devices is None and len(devices) != mesh.num_devices):
             self.check_device_count(len(devices), f"JAX ({devices[0].platform})")
         grid = np.array(devices[: mesh.num_devices]).reshape(mesh.shape)
@@ -48,8 +54,10 @@ class JaxBackend(Backend):
 
     def _device_count_hint(self) -> str:
         return (
-            "on CPU set JAX_PLATFORMS=cpu and XLA_FLAGS=--xla_force_host_platform_device_count=<mesh devices> "
-            "before importing jax; for tt-mlir compile-only, generate a descriptor with that many chips"
+            "JAX's devices are fixed once it has started: shard before the first JAX call (the package then "
+            "sets up the CPU devices itself), or set JAX_PLATFORMS=cpu and "
+            f"XLA_FLAGS={DEVICE_COUNT_FLAG}={self.mesh.num_devices} before importing jax; for tt-mlir "
+            "compile-only, generate a descriptor with that many chips"
         )
 
     def sharding(self, spec: Spec) -> Any:

@@ -20,6 +20,7 @@ import sys
 import traceback
 from typing import NoReturn
 
+from .. import scratch
 from . import check as check_commands
 from . import compile as compile_commands
 from . import pipeline as pipeline_commands
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["check", *argv]
     args = parser.parse_args(argv)
     prog = f"wan-sharding {args.command}"
+    scratch.adopt_library_temp_dirs()  # torch's, made at import: gone with ours even if we are killed
     try:
         return args.func(args)  # each command runs its own checks (args.validate) first
     except KeyboardInterrupt:

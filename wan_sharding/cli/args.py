@@ -7,15 +7,29 @@ import sys
 from typing import Iterable
 
 from ..mesh import PRESET_TABLE, MeshError, preset_key
-from ..options import COMPONENTS, DEFAULT_COMPONENT, DTYPE_ALIASES, DTYPES, PADDING_NAMES, dtype_name
+from ..options import (COMPONENTS, DEFAULT_COMPONENT, DTYPE_ALIASES, DTYPES, PADDING_NAMES, dtype_name, settings_line,
+                       vae_placement)
+
+
+def _preset(text: str, several: str) -> str:
+    try:
+        return preset_key(text)
+    except MeshError as e:
+        parts = [p.strip() for p in str(text).split(",")]
+        if len(parts) > 1 and all(p.lower().replace(" ", "") in PRESET_TABLE for p in parts):
+            raise argparse.ArgumentTypeError(f"{text!r} names {len(parts)} meshes; {several}") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def preset(text: str) -> str:
     """A mesh preset name, normalised (``"2 x 4"`` -> ``"2x4"``)."""
-    try:
-        return preset_key(text)
-    except MeshError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return _preset(text, "this option takes one")
+
+
+def presets(text: str) -> str:
+    """One mesh preset of a list option (``--meshes 2x4 8x4``): the preset, normalised; a comma
+    list is refused, naming how to write it."""
+    return _preset(text, f"separate meshes with spaces: --meshes {' '.join(str(text).replace(' ', '').split(','))}")
 
 
 def dtype(text: str) -> str:
@@ -59,6 +73,28 @@ def add_dtype(ap: argparse.ArgumentParser, default: str | None, help: str = "") 
 def add_padding(ap: argparse.ArgumentParser, default: str | None) -> None:
     ap.add_argument("--padding", default=default, choices=list(PADDING_NAMES),
                     help=f"how the token dim is padded to SP x 32 (default {default or 'mask, or the plan padding'})")
+
+
+def settings_for(args: argparse.Namespace) -> str:
+    """What a ``check``, ``generate`` or ``profile`` run prints first (``wan_sharding.options.settings_line``):
+    its backend(s), and the command's patches, step cache and CFG parallel (a plan with cfg axes,
+    or ``--cfg 2``), from its checked arguments."""
+    plan = getattr(args, "plan", None)
+    cfg = 2 if plan is not None and plan.cfg_axes else getattr(args, "cfg", 1)
+    backends = args.backends if hasattr(args, "backends") else [args.backend]
+    places = {}
+    if hasattr(args, "text_encoder"):
+        places["text encoder"] = args.text_encoder
+    if hasattr(args, "vae"):  # per backend where its default differs (mesh on tt, host on the CPU backends)
+        where = {b: vae_placement(args.vae, b) for b in backends}
+        places["vae"] = (next(iter(where.values())) if len(set(where.values())) == 1
+                         else ", ".join(f"{w} ({b})" for b, w in where.items()))
+    return settings_line(", ".join(backends), getattr(args, "patches", ()), getattr(args, "cache", "none"), cfg, places)
+
+
+def print_settings(args: argparse.Namespace) -> None:
+    """Print :func:`settings_for` ``args``."""
+    print(settings_for(args), flush=True)
 
 
 def stack_missing(backends: Iterable[str]) -> bool:
@@ -155,3 +191,8 @@ def add_multihost(ap: argparse.ArgumentParser, launch: bool = True) -> None:
     g.add_argument("--dry-run", action="store_true",
                    help="print the resolved mesh, binding, hosts and the tt worker's environment, then exit 0 "
                         "without starting anything")
+def add_overwrite(ap: argparse.ArgumentParser) -> None:
+    """``--overwrite``: replace what an earlier run left where this one writes (without it, the
+    command refuses before it starts: ``wan_sharding.cli.validate.fresh_outputs``)."""
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the outputs an earlier run left there (default: refuse, before anything runs)")

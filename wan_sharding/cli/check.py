@@ -11,12 +11,12 @@ from ..jobs.check import CASE_LATENTS, Case, run_in_subprocess
 from ..jobs.pcc import PCC_THRESHOLDS, grade
 from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
-from ..options import CPU_BACKENDS, EXECUTING_BACKENDS
+from ..options import CPU_BACKENDS, EXECUTING_BACKENDS, vae_placement
 from . import text_encoder
 from .args import (add_cfg, add_component, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan,
-                   add_text_encoder, preset, stack_missing)
+                   add_text_encoder, preset, presets, print_settings, stack_missing)
 from .dryrun import dry_run
-from .vae import add_vae_placement, check_vae, vae_placement
+from .vae import add_vae_placement, check_vae
 from .validate import (UsageError, apply_plan, binding_mesh, cfg_plan, check_launch, check_length, check_rope_length,
                        check_vae_request)
 
@@ -52,14 +52,16 @@ def _validate_check(args: argparse.Namespace) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     _validate_check(args)
-    if args.component == "vae":
-        return check_vae(args)
     if dry_run(args, "check"):
         return 0
-    if args.plan is not None and not args.json:
-        print(f"plan: {args.plan.name}")
     if stack_missing(args.backends):
         return 1
+    if not args.json:
+        if args.plan is not None:
+            print(f"plan: {args.plan.name}")
+        print_settings(args)
+    if args.component == "vae":
+        return check_vae(args)
     cases = [] if text_encoder.encoder_only(args) else [
         Case(args.variant, length, args.dtype, args.padding, "+".join(args.patches)) for length in args.lengths]
     cases += text_encoder.check_cases(args)  # the UMT5 encoder's rows (--component text-encoder, --text-encoder mesh)
@@ -152,7 +154,7 @@ def _meshes(args: argparse.Namespace) -> int:
 def add_subcommands(sub: Any) -> None:
     """Add ``check``, ``specs`` and ``meshes``."""
     check = sub.add_parser("check", help="PCC of the sharded tiny DiT vs unsharded (the default job)")
-    check.add_argument("--meshes", nargs="+", default=None, type=preset, choices=list(PRESET_TABLE),
+    check.add_argument("--meshes", nargs="+", default=None, type=presets, choices=list(PRESET_TABLE),
                        metavar="MESH", help=f"mesh presets (default {' '.join(DEFAULT_MESHES)}, or the plan's)")
     add_component(check, ("dit", text_encoder.COMPONENT, "vae"))
     add_text_encoder(check, help="mesh: also check the UMT5 text encoder sharded on each mesh (its rows after the "

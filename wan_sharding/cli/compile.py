@@ -12,29 +12,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..compile import (EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, compile_reports, format_report,
+from .. import scratch
+from ..compile import (EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, compile_reports, format_report, keep_cited,
                        latent_for, report_exit_code, sysdesc)
 from ..mesh import PRESETS, MeshError, mesh_from_preset
 from ..compile.composites import COMPOSITE_SETS, DEFAULT_COMPOSITES
 from ..compile.request import FRONTENDS
+from ..compile.runner import WORK_FILES
 from ..models import RESOLUTIONS, VARIANTS
 from ..workers import atomic_write
 from . import text_encoder
-from .args import add_cfg, add_component, add_dtype, add_multihost, add_padding, add_patches, add_plan
+from .args import add_cfg, add_component, add_dtype, add_multihost, add_overwrite, add_padding, add_patches, add_plan
 from .vae import add_vae_compile_args, compile_vae
 from .validate import (UsageError, apply_plan, binding_mesh, check_binding, check_vae_compile, compile_options, latent, output_dir,
                        output_file, positive_float, positive_int)
 
 DEFAULT_ARCH = "wormhole_b0"
 
+REPORT = "report.json"
+
 
 def _validate_sysdesc(args: argparse.Namespace) -> None:
-    output_file(args.output, "-o")
+    output_file(args.output, "-o", args.overwrite)
 
 
 def _cmd_sysdesc(args: argparse.Namespace) -> int:
@@ -66,6 +71,45 @@ def _cmd_sysdesc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# Where ``compile`` writes without ``--out``: a folder per configuration under this one.
+DEFAULT_OUT = Path("results/compile")
+
+
+def default_out(args: argparse.Namespace) -> Path:
+    """One folder per configuration under ``results/compile/``, so runs of different ones sit side by
+    side: ``<variant>-<size>-<mesh or plan>-<resolution or latent>-<blocks>blk-<padding>-<frontend>
+    [-<patches>]`` for the DiT, ``text-encoder-<size>-<mesh>-<tokens>tok-<layers>lay-<frontend>`` and
+    ``vae-<kind>-<mesh>-<resolution>-<strategy>-<frontend>`` for the other components."""
+    from ..patches import EXACT, EXACT_PATCHES
+
+    if args.component == "vae":
+        parts = ["vae", args.vae_kind or "wan2.1", args.mesh, args.resolution, args.strategy or "halo", args.frontend]
+    elif text_encoder.encoder_only(args):
+        parts = [text_encoder.COMPONENT, args.size, args.mesh, f"{args.tokens or 'default'}tok",
+                 f"{args.blocks or 'all'}lay", *([f"vocab{args.vocab}"] if args.vocab else []), args.frontend]
+    else:
+        where = args.mesh if args.plan is None else f"plan-{args.plan.name}"
+        patches = [EXACT] if set(args.patches) == set(EXACT_PATCHES) else args.patches
+        parts = [args.variant, args.size, where, args.latent or args.resolution, f"{args.blocks or 'all'}blk",
+                 args.padding, args.frontend, *patches]
+    return DEFAULT_OUT / re.sub(r"[^\w.+]+", "-", "-".join(map(str, parts))).strip("-")
+
+
+def _writes(args: argparse.Namespace) -> tuple[str, ...]:
+    """What a compile writes into its ``--out``: the report, its IR folders (the request's and its
+    twins': ``blocks_*`` for the DiT, ``layers_*`` for the text encoder, ``irs`` for the VAE), the
+    worker logs and the system descriptor."""
+    if args.component == "vae":
+        return (REPORT, "irs")
+    unit = "layers" if text_encoder.encoder_only(args) else "blocks"
+    return (REPORT, f"{unit}_{args.blocks or 'all'}*", *WORK_FILES)
+
+
+def _written(out: Path, args: argparse.Namespace) -> list[Path]:
+    """What of :func:`_writes` is in ``out`` now, the report aside."""
+    return [p for pattern in _writes(args)[1:] for p in sorted(out.glob(pattern))]
+
+
 def _validate_compile(args: argparse.Namespace) -> None:
     from ..systems import rank_binding
 
@@ -82,19 +126,27 @@ def _validate_compile(args: argparse.Namespace) -> None:
         args.arch = args.arch or rank_binding(args.rank_binding).arch
         check_binding(args)
     args.arch = args.arch or DEFAULT_ARCH
-    if args.out:
-        output_dir(args.out, "--out")
+    if args.out is None:
+        args.out = str(default_out(args))
+    output_dir(args.out, "--out", _writes(args), args.overwrite)
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     _validate_compile(args)
+    out = Path(args.out)
+    if args.overwrite:  # what an earlier run left: no stale IR can then be mistaken for this run's
+        for old in [out / REPORT, *_written(out, args)]:
+            if old.is_dir():
+                scratch.remove(old)
+            else:
+                old.unlink(missing_ok=True)
     if args.component == "vae":
-        return compile_vae(args)
+        return compile_vae(args, out, lambda cited: keep_cited(cited, _written(out, args)))
     # the UMT5 text encoder: its own request (its report and per-layer bill come with it)
     return _report(args, text_encoder.compile_report if text_encoder.encoder_only(args) else _dit_report)
 
 
-def _dit_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
+def _dit_report(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The DiT's request from the options, compiled with its twins: its report."""
     latent = latent_for(args.resolution, args.latent)
     blocks = args.blocks
@@ -105,7 +157,7 @@ def _dit_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
         composites="none" if args.no_fused_sdpa else args.composites, compile_options=args.compile_options,
         mark_arguments=not args.no_argument_marks,
         resolution=args.resolution if args.latent is None else None,
-        out_dir=str(out / f"blocks_{blocks or 'all'}") if out else None,
+        out_dir=str(out / f"blocks_{blocks or 'all'}"),
     )
     if args.plan is not None and args.plan.cfg_axes:
         # CFG parallel: one program with cond + uncond rows (2-D mesh), or the group's program (3-D)
@@ -120,11 +172,12 @@ def _dit_report(args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
                            rank_binding=args.rank_binding)[0]
 
 
-def _report(args: argparse.Namespace, make: Callable[[argparse.Namespace, Path | None], dict[str, Any]]) -> int:
-    """``make(args, out)`` (a component's report), written to ``--out`` and printed (``--json``: one
-    JSON object); a request or compile that cannot be set up is one line and exit 2."""
+def _report(args: argparse.Namespace, make: Callable[[argparse.Namespace, Path], dict[str, Any]]) -> int:
+    """``make(args, out)`` (a component's report), written to ``--out`` with the IRs it names (every
+    IR with ``--keep-irs``) and printed (``--json``: one JSON object); a request or compile that
+    cannot be set up is one line and exit 2."""
     t0 = time.perf_counter()
-    out = Path(args.out) if args.out else None
+    out = Path(args.out)
     try:
         report = make(args, out)
     except (CompileError, ValueError) as e:
@@ -134,12 +187,16 @@ def _report(args: argparse.Namespace, make: Callable[[argparse.Namespace, Path |
             print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     report["wall_seconds"] = round(time.perf_counter() - t0, 2)
-    if out is not None:
-        atomic_write(out / "report.json", json.dumps(report, indent=1))
+    if not args.keep_irs:  # what the report names stays; intermediate dumps, twins and flatbuffers go
+        report["removed_bytes"] = keep_cited(report, _written(out, args))
+    report["report_path"] = str(out / REPORT)
+    atomic_write(out / REPORT, json.dumps(report, indent=1))
     if args.json:
         print(json.dumps(report))
     else:
         print(format_report(report))
+        kept = "every IR and flatbuffer (--keep-irs)" if args.keep_irs else "the IRs it names (--keep-irs: every one)"
+        print(f"report: {out / REPORT}, with {kept}")
         print(f"(wall time with both compiles and process start-up: {report['wall_seconds']:.0f} s)")
     return report_exit_code(report)
 
@@ -156,6 +213,7 @@ def add_subcommands(sub: Any) -> None:
                    help="ethernet links to list (default none: what compile-only needs; machine: a Galaxy-based "
                         "grid as cabled, fewer links between Galaxies)")
     p.add_argument("-o", "--output", required=True, help="file to write (.ttsys)")
+    add_overwrite(p)
     p.set_defaults(func=_cmd_sysdesc, validate=_validate_sysdesc)
 
     c = sub.add_parser(
@@ -204,8 +262,11 @@ def add_subcommands(sub: Any) -> None:
                         "(every argument then counts as an input and weights are prepared in every step)")
     c.add_argument("--no-anchor", action="store_true",
                    help="drop the replicated constraint before each L-on-SP split (shows why it is there)")
-    c.add_argument("--out", default=None, help="folder for IRs, logs and report.json (default: a new temp folder, "
-                                                "kept so the printed IR paths stay readable)")
+    c.add_argument("--out", default=None, help="folder for report.json and the IRs it names (default: a folder per "
+                                                f"configuration under {DEFAULT_OUT}/)")
+    c.add_argument("--keep-irs", action="store_true",
+                   help="also keep every intermediate IR, the flatbuffers, the shallow and unpadded twins and the logs")
+    add_overwrite(c)
     c.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds for both compiles (default 3600)")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     c.add_argument("-v", "--verbose", action="store_true", help="echo the compiler log")

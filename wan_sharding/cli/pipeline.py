@@ -14,12 +14,12 @@ from ..jobs.requests import check_video_format
 from ..jobs.profile import PROFILE_LATENTS, WHAT, note_for, run_profile
 from ..jobs.profile import __doc__ as PROFILE_DOC
 from ..models import VARIANTS
-from ..options import EXECUTING_BACKENDS
+from ..options import EXECUTING_BACKENDS, vae_placement
 from . import text_encoder
-from .args import (add_cache, add_cfg, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan,
-                   add_text_encoder, stack_missing)
+from .args import (add_cache, add_cfg, add_dtype, add_mesh, add_multihost, add_overwrite, add_padding, add_patches,
+                   add_plan, add_text_encoder, print_settings, stack_missing)
 from .dryrun import dry_run
-from .vae import add_vae_placement, vae_placement
+from .vae import add_vae_placement
 from .validate import apply_plan, binding_mesh, check_generate, check_launch, check_profile
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
@@ -54,6 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     if stack_missing([args.backend]):
         return 1
+    print_settings(args)
     run = run_generate(worker_params(args))
     if not run.ok:
         return run.returncode
@@ -66,6 +67,8 @@ def _profile(args: argparse.Namespace) -> int:
         return 0
     if stack_missing([args.backend]):
         return 1
+    if not args.json:
+        print_settings(args)
     run = run_profile(worker_params(args), echo=not args.json)
     if not run.ok:
         if args.json:
@@ -110,7 +113,9 @@ def add_subcommands(sub: Any) -> None:
     add_dtype(g, None, help="default: fp32 tiny, bf16 with --model")
     g.add_argument("--video-format", default="mp4", choices=["mp4", "gif"], help="the video's format: H.264 MP4 "
                                                                                  "(default) or an animated GIF")
-    g.add_argument("--out", default="results/generate", help="directory for the video and the JSON summary")
+    g.add_argument("--out", default="results/generate", help="directory for the video and the JSON summary "
+                                                             "(default results/generate)")
+    add_overwrite(g)
     g.add_argument("--compare", action="store_true",
                    help="also run it unsharded with the same seed and print the PCC of the final latents (and of "
                         "the decoded video with --vae mesh)")

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from ..compile import latent_for
@@ -33,8 +34,9 @@ from ..planner.ir_cost import ATTENTION_MODES
 from ..planner.report import EXIT_ERROR, format_report, plan_exit_code
 from ..plan import LAYOUTS
 from ..mesh import MeshError, parse_mesh_shape
+from .. import scratch
 from ..workers import atomic_path
-from .args import add_multihost, add_text_encoder
+from .args import add_multihost, add_overwrite, add_text_encoder
 from .validate import UsageError, check_binding, latent, output_dir, output_file, positive_float, positive_int
 
 DEFAULT_MESH, DEFAULT_ARCH = "8x4", "wormhole_b0"
@@ -55,13 +57,16 @@ def _validate_plan(args: argparse.Namespace) -> None:
     if args.rank_binding:
         check_binding(args)
     if args.write:
-        output_file(args.write, "--write")
+        output_file(args.write, "--write", args.overwrite)
     if args.out:
-        output_dir(args.out, "--out")
+        output_dir(args.out, "--out", ["round_*"], args.overwrite)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     _validate_plan(args)
+    if args.out and args.overwrite:  # an earlier run's IRs: none can then be mistaken for this run's
+        for old in Path(args.out).glob("round_*"):
+            scratch.remove(old)
     t0 = time.perf_counter()
     progress = None if args.json or args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     keep = restriction(args.layout, args.padding, None if args.fsdp is None else args.fsdp == "on")
@@ -144,7 +149,9 @@ def add_subcommands(sub: Any) -> None:
                         "cfg axes as --cfg 2 makes): every plan then compared per denoising step; --write saves a "
                         "recommended split with its cfg axes")
     p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per compile batch")
-    p.add_argument("--out", default=None, help="folder for the compiled IRs (default: a new temp folder)")
+    p.add_argument("--out", default=None, help="folder to keep the compiled IRs in (default: none kept; they are "
+                                                "compiled in a scratch folder, removed when planning ends)")
+    add_overwrite(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--write", default=None, metavar="PLAN.json", help="save the recommended ShardingPlan")
     p.add_argument("--verify", action="store_true",

@@ -8,11 +8,12 @@ import sys
 from typing import Any
 
 from ..jobs.requests import check_video_format
+from ..options import vae_placement
 from . import text_encoder
 from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
 from .dryrun import dry_run
 from .pipeline import add_pipeline_source, worker_params
-from .vae import add_vae_placement, vae_placement
+from .vae import add_vae_placement
 from .validate import (
     UsageError,
     apply_plan,
@@ -24,6 +25,7 @@ from .validate import (
     output_dir,
     positive_float,
     positive_int,
+    server_url,
 )
 
 DEFAULT_PORT = 8765
@@ -63,6 +65,7 @@ def _validate_serve(args: argparse.Namespace) -> None:
 
 
 def _validate_submit(args: argparse.Namespace) -> None:
+    server_url(args.server)
     output_dir(args.out, "--out")
     if args.image is not None:
         from ..serve.client import read_image

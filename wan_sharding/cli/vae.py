@@ -1,7 +1,7 @@
 """The VAE's side of the commands: ``check --component vae``, ``compile --component vae`` and the
 ``--vae mesh|host`` option of ``generate``, ``serve`` and ``check`` (arguments and printing only).
 
-``--vae`` defaults per backend (:func:`vae_placement`): ``mesh`` on ``tt``, where the sharded decode
+``--vae`` defaults per backend (:func:`wan_sharding.options.vae_placement`): ``mesh`` on ``tt``, where the sharded decode
 is what turns minutes of host decode after denoising into seconds; ``host`` on the CPU backends,
 where a host decode is the reference itself and the mesh's virtual devices share the same cores,
 so a sharded decode only adds the halo work and collectives to the same CPU time.
@@ -13,12 +13,13 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from ..models import VAE_KINDS
+from ..options import VAE_PLACEMENTS
 from .args import stack_missing
 
-VAE_PLACEMENTS = ("mesh", "host")
 # check --component vae: each mesh's cases (latent F,H,W: 3 frames, so the time cache is carried
 # over two steps; 5x8 is a frame 2 and 8 do not divide, padded and masked).
 CHECK_CASES = ("{vae}:decode:3,5,8:{dtype}", "{vae}:decode:3,8,8:{dtype}", "{vae}:encode:2,5,8:{dtype}")
@@ -28,11 +29,6 @@ def add_vae_placement(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vae", default=None, choices=list(VAE_PLACEMENTS),
                     help="where the VAE runs: mesh (sharded over H and W) or host (default: mesh on tt, host on the "
                          "CPU backends, where the virtual devices share the host's cores)")
-
-
-def vae_placement(value: str | None, backend: str) -> str:
-    """``--vae`` as given, else the backend's default (see the module docstring)."""
-    return value if value is not None else ("mesh" if backend == "tt" else "host")
 
 
 # ---- check --component vae ----------------------------------------------------------------------
@@ -87,11 +83,13 @@ def print_row(r: dict[str, Any], header: bool) -> None:
 COMPILE_STRATEGIES = ("halo", "halo-permute", "annotate", "channels")
 
 
-def compile_vae(args: argparse.Namespace) -> int:
+def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, Any]], int]) -> int:
     """tt-mlir compile-only of one decode step of the real VAE; with ``--strategy all`` the package's
-    halo beside its alternatives, bill by bill."""
+    halo beside its alternatives, bill by bill. The report and the IRs it names go to ``out``;
+    ``prune(cited)`` removes the rest (unless ``--keep-irs``) and returns the bytes freed."""
     from ..compile import CompileError
     from ..compile.vae import VaeCompileRequest, compile_vae as run
+    from ..options import settings_line
     from ..workers import atomic_write
 
     strategy = args.strategy or "halo"
@@ -101,20 +99,24 @@ def compile_vae(args: argparse.Namespace) -> int:
                               frontend=args.frontend) for s in strategies]
     t0 = time.perf_counter()
     try:
-        reports = run(reqs, args.arch, timeout=args.timeout, keep_irs=args.out)
+        reports = run(reqs, args.arch, timeout=args.timeout, keep_irs=str(out / "irs"))
     except CompileError as e:
         print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return 2
     report = {"component": "vae", "reports": reports, "wall_seconds": round(time.perf_counter() - t0, 2),
               "ok": all(r.get("ok") for r in reports), "bill_ok": reports[0].get("bill_ok", False)}
-    if args.out:
-        from pathlib import Path
-
-        atomic_write(Path(args.out) / "report.json", json.dumps(report, indent=1))
+    if not args.keep_irs:  # the TTNN IR each report names stays; the other dumps go
+        cited = {f"{i}_{k}": v for i, r in enumerate(reports) for k, v in r.items() if k.endswith("_path")}
+        report["removed_bytes"] = prune(cited)
+    report["report_path"] = str(out / "report.json")
+    atomic_write(out / "report.json", json.dumps(report, indent=1))
     if args.json:
         print(json.dumps(report))
     else:
+        print(settings_line(f"tt-mlir compile-only ({args.frontend} frontend)", (), None))
         print(format_vae_reports(reports))
+        print(f"report: {report['report_path']}, with " + ("every IR (--keep-irs)" if args.keep_irs
+                                                            else "the IRs it names (--keep-irs: every one)"))
         print(f"(wall time with process start-up: {report['wall_seconds']:.0f} s)")
     if not report["ok"]:
         return 2

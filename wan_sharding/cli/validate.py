@@ -17,7 +17,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 # The rules a request shares with the server live in jobs.requests; re-exported here for the commands.
 from ..jobs import requests
@@ -169,25 +169,54 @@ def _writable_dir(start: Path, flag: str, target: Path) -> None:
         raise UsageError(f"{flag} {target}: cannot write in {base} ({e.strerror}); pick a writable place") from None
 
 
-def output_dir(path: str | os.PathLike[str], flag: str) -> None:
+def output_dir(path: str | os.PathLike[str], flag: str, writes: Iterable[str] = (), overwrite: bool = False) -> None:
     """A directory the command will write into: an existing writable directory, or one that can
-    be created (its nearest existing parent is a writable directory). Never an existing file."""
+    be created (its nearest existing parent is a writable directory). Never an existing file.
+    ``writes``: the names (or glob patterns) this run writes there; any already there is refused
+    unless ``overwrite`` (:func:`fresh_outputs`)."""
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise UsageError(f"{flag} {target} is an existing file, not a directory; pass a directory (it is created "
                          "if missing)")
     _writable_dir(target, flag, target)
+    if target.is_dir():
+        fresh_outputs(flag, target, [p for pattern in writes for p in target.glob(pattern)], overwrite)
 
 
-def output_file(path: str | os.PathLike[str], flag: str) -> None:
-    """A file the command will write (replacing it when it exists): not a directory, in a writable
-    (or creatable) directory."""
+def output_file(path: str | os.PathLike[str], flag: str, overwrite: bool) -> None:
+    """A file the command will write: not a directory, in a writable (or creatable) directory, and
+    not there already unless ``overwrite`` (:func:`fresh_outputs`)."""
     target = Path(path)
     if str(path) == "" or target.is_dir():
         raise UsageError(f"{flag} {str(path)!r} is a directory (or empty); pass a file name such as out.json")
     if target.exists() and not os.access(target, os.W_OK):
         raise UsageError(f"{flag} {target} exists and is not writable; pick another path")
     _writable_dir(target.parent, flag, target)
+    fresh_outputs(flag, target, [target] if target.exists() else [], overwrite)
+
+
+def fresh_outputs(flag: str, target: Path, existing: list[Path], overwrite: bool) -> None:
+    """The one policy of every command for outputs an earlier run left where it writes: refused,
+    naming them and the fix, unless ``--overwrite`` (then they are replaced). Nothing is replaced
+    silently, and the refusal comes before any worker starts."""
+    if not existing or overwrite:
+        return
+    if existing == [target]:
+        raise UsageError(f"{flag} {target} exists; pass --overwrite to replace it, or another {flag}")
+    names = sorted(p.name for p in existing)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise UsageError(f"{flag} {target} already holds {shown} from an earlier run; pass --overwrite to replace "
+                     f"{'it' if len(names) == 1 else 'them'}, or another {flag}")
+
+
+def server_url(url: str, flag: str = "--server") -> None:
+    """A server address as a URL with its scheme (``http://127.0.0.1:8765``): a bare ``host:port``
+    is refused with the URL to use (the HTTP client would fail on it with an unhelpful error)."""
+    if re.match(r"^https?://[^/\s]+", url):
+        return
+    if "://" in url:
+        raise UsageError(f"{flag} {url}: use an http:// or https:// URL, e.g. http://127.0.0.1:8765")
+    raise UsageError(f"{flag} {url} has no scheme; use http://{url.lstrip('/')}")
 
 
 # ---- a sharding plan file (``--plan``) -------------------------------------------------------------
@@ -291,12 +320,20 @@ def apply_plan(args: argparse.Namespace, default_mesh: str | list[str], mesh_fla
 
 def check_generate(args: argparse.Namespace) -> None:
     """``generate``: counts >= 1, a checkpoint that loads, frames/sizes the pipeline takes as they
-    are, and an output directory that can be written."""
+    are, and an output directory that can be written, without this run's video and summary in it
+    unless ``--overwrite``."""
     check_counts({f"--{flag}": getattr(args, flag) for flag in ("steps", "frames", "height", "width")})
     if args.model is not None:
         model_dir(args.model)
     check_video(args.frames, args.height, args.width, args.variant, args.model)
-    output_dir(args.out, "--out")
+    from ..jobs.generate import output_files
+    from ..pipeline.tiny import checkpoint_variant
+
+    variant = args.variant if args.model is None else checkpoint_variant(args.model)
+    plan = getattr(args, "plan", None)
+    files = output_files(args.out, variant, args.backend, args.mesh, args.padding, None if plan is None else plan.name,
+                         args.cache, args.video_format)
+    output_dir(args.out, "--out", [f.name for f in files], args.overwrite)
 
 
 def check_profile(args: argparse.Namespace) -> None:

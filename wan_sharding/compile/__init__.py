@@ -19,7 +19,8 @@ The pieces, caller to worker and back:
 """
 
 from .bill import BlockBill, bill_ok, per_block_bill
-from .report import EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, compile_reports, format_report, report_exit_code
+from .report import (EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, compile_reports, format_report, keep_cited,
+                     report_exit_code)
 from .request import FRONTENDS, CompileError, CompileRequest, CompileResult, latent_for
 from .runner import compile_dit, compile_many
 from .shardy import gspmd_to_shardy
@@ -30,5 +31,5 @@ from .ttnn_ir import TTNNModule
 __all__ = [
     "EXIT_CHECK_FAILED", "EXIT_ERROR", "EXIT_OK", "FRONTENDS", "BlockBill", "CompileError", "CompileRequest",
     "CompileResult", "TTNNModule", "bill_ok", "compile_dit", "compile_many", "compile_reports", "format_report",
-    "gspmd_to_shardy", "latent_for", "per_block_bill", "report_exit_code",
+    "gspmd_to_shardy", "keep_cited", "latent_for", "per_block_bill", "report_exit_code",
 ]

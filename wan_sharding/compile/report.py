@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..mesh import TILE
 from ..models import config_for
+from ..options import settings_line
 from . import bill as ir_bill
 from .causes import per_block_causes
 from . import text_encoder
@@ -190,6 +191,26 @@ def compile_reports(requests: Sequence[CompileRequest], arch: str = "wormhole_b0
     return reports
 
 
+def keep_cited(report: dict[str, Any], written: Iterable[str | Path]) -> int:
+    """Delete the files and folders in ``written`` (what one run wrote) except the files ``report``
+    names (its ``*_path`` values): the intermediate IRs tt-mlir exports, the flatbuffers, the
+    shallow and unpadded twins, logs and the system descriptor, which the report has been made from.
+    A full-width compile leaves gigabytes of them; the IRs it cites stay readable. Nothing outside
+    ``written`` is touched. Returns the bytes freed."""
+    cited = {Path(v).resolve() for k, v in report.items() if k.endswith("_path") and isinstance(v, str)}
+    freed = 0
+    for top in map(Path, written):
+        below = sorted(top.rglob("*"), reverse=True) if top.is_dir() and not top.is_symlink() else []
+        for path in [*below, top]:  # children before their folders
+            if path.is_dir() and not path.is_symlink():
+                if not any(path.iterdir()):
+                    path.rmdir()
+            elif path.exists() and path.resolve() not in cited:
+                freed += path.lstat().st_size
+                path.unlink()
+    return freed
+
+
 def padding_report(padded: Sequence[CompileResult], unpadded: Sequence[CompileResult]) -> dict[str, Any]:
     """What padding adds against the same graph unpadded (both at the same two depths)."""
     if not all(r.ok for r in [*padded, *unpadded]):
@@ -305,6 +326,8 @@ def format_report(report: dict[str, Any], top: int = 25) -> str:
         f"(SP {report['sp']} x TP {report['tp']}), {report['resolution']} latent {tuple(report['latent'])}, "
         f"padding {report['padding']}{'' if report['anchor'] else ', NO replicated anchor'}, "
         f"frontend {report.get('frontend', 'torchax')}",
+        settings_line(f"tt-mlir compile-only ({report.get('frontend', 'torchax')} frontend)", report.get("patches", ()),
+                      "none", 2 if (report.get("cfg") or {}).get("how") else 1),
     ]
     if report.get("tokens"):
         lines.append(f"tokens: {report['tokens']} -> padded {report['padded_tokens']}")
@@ -388,7 +411,8 @@ def format_encoder_report(report: dict[str, Any], top: int = 15) -> str:
     vocab = "" if report.get("vocab") is None else f", vocab cut to {report['vocab']} (the lookup's table only)"
     lines = [f"text encoder UMT5 ({report['size']}{vocab}), {report['blocks']} layers, mesh {report['mesh']} "
              f"(TP {report['tp']}; the encoder has no SP), {report['batch']} x {report['tokens']} prompt tokens, "
-             f"{report['dtype']}, frontend {report['frontend']}"]
+             f"{report['dtype']}, frontend {report['frontend']}",
+             settings_line(f"tt-mlir compile-only ({report['frontend']} frontend)", (), None)]
     lines += composite_lines(report)
     if not report["ok"]:
         return "\n".join(lines + failure_lines(report))

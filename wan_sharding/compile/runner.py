@@ -20,27 +20,24 @@ import contextlib
 import dataclasses
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import workers
+from .. import scratch, workers
 from . import sysdesc
 from .request import CompileError, CompileRequest, CompileResult
 
+# What compile_many writes into its work folder besides the requests' IR folders (prepare_descriptor,
+# the worker and trace logs, IR folders of requests without their own).
+WORK_FILES = (*(f"{arch}_*.ttsys" for arch in sysdesc.ARCHS), "worker_*.log", "trace_*.log", "ir_[0-9][0-9][0-9]")
 WORKER_MODULE = "wan_sharding.compile.worker"
 TRACE_MODULE = "wan_sharding.compile.xla_lowering"  # the torch-xla frontend's worker
 # Lines the worker writes into its log (stdout and stderr merged) around each request, so the log
 # can be cut into what the compiler printed for each (:func:`split_log`).
 BEGIN_MARK = "@@wan_sharding.compile begin "
 END_MARK = "@@wan_sharding.compile end "
-
-# The plugin unpacks ~400 MB of tt-metal runtime files into $TMPDIR/<this prefix><hash>.
-ASSETS_PREFIX = "libtt-tt-metal-runtime-assets-"
-
 
 def check_plugin() -> str:
     """The installed ``jax-tt-plugin`` version, or :class:`CompileError` saying how to get it."""
@@ -73,40 +70,13 @@ def prepare_descriptor(arch: str, num_chips: int, directory: str | os.PathLike[s
     return path
 
 
-def private_tmpdir(work: str | os.PathLike[str]) -> Path:
-    """A ``TMPDIR`` of one worker's own, shared with no other process.
-
-    Why: the plugin copies the descriptor to the fixed path ``$TMPDIR/tt_pjrt_system_descriptor``
-    and deletes it when its process exits, so two plugin processes sharing ``/tmp`` break each
-    other ("system desc does not exist: /tmp/tt_pjrt_system_descriptor" in the middle of a
-    compile). And it writes its ~400 MB of tt-metal runtime files into
-    ``$TMPDIR/libtt-tt-metal-runtime-assets-<hash>`` at **every** start, over what is there: a
-    process starting beside one that runs those files (the RISC-V compiler of a level-1 compile)
-    fails ("failed to extract embedded tt-metal runtime archive", then a hung worker) or makes the
-    other fail ("cannot execute ... as: posix_spawn: Text file busy"). So each worker unpacks its
-    own copy (``docs/tt-mlir-notes.md``); :func:`remove_assets` deletes it afterwards.
-    """
-    tmp = Path(work) / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    for old in tmp.glob(ASSETS_PREFIX + "*"):
-        if old.is_symlink():  # a link to a shared copy, left by an earlier version of this function
-            old.unlink()
-    return tmp
-
-
-def remove_assets(tmp: str | os.PathLike[str]) -> None:
-    """Delete the runtime files a worker unpacked into its private ``TMPDIR`` (the plugin unpacks
-    them again at its next start anyway)."""
-    for d in Path(tmp).glob(ASSETS_PREFIX + "*"):
-        if d.is_symlink():
-            d.unlink()
-        elif d.is_dir():
-            shutil.rmtree(d, ignore_errors=True)
-
-
 def worker_env(descriptor: str | os.PathLike[str], tmpdir: str | os.PathLike[str] | None = None) -> dict[str, str]:
-    """Environment for a worker: the descriptor set, a private ``TMPDIR`` (see
-    :func:`private_tmpdir`), no CPU-only JAX override."""
+    """Environment for a plugin process: the descriptor set, no CPU-only JAX override, and
+    ``tmpdir`` as its ``TMPDIR`` when given. The worker runner gives each worker a private one
+    anyway (:func:`wan_sharding.scratch.worker_tmpdir`): the plugin copies the descriptor to the
+    fixed path ``$TMPDIR/tt_pjrt_system_descriptor`` and deletes it when its process exits, and it
+    unpacks its ~400 MB tt-metal runtime into ``$TMPDIR`` at every start, over what is there, so two
+    plugin processes sharing one ``TMPDIR`` break each other (``docs/tt-mlir-notes.md``)."""
     env = dict(os.environ)
     env["TT_COMPILE_ONLY_SYSTEM_DESC"] = str(descriptor)
     if tmpdir is not None:
@@ -212,7 +182,8 @@ def compile_many(
         arch: chip architecture of the system descriptor (``"wormhole_b0"`` or ``"blackhole"``).
         timeout: wall-clock seconds for all requests together.
         work_dir: where descriptors, logs and (for requests without ``out_dir``) IRs go;
-            a fresh temporary folder when ``None``.
+            when ``None``, a fresh folder under this process's scratch root
+            (:func:`wan_sharding.scratch.scratch_dir`), deleted when the process exits.
         python: interpreter for the worker (default: this one).
         verbose: echo the worker log to stderr as it runs.
 
@@ -231,7 +202,7 @@ def compile_many(
         raise CompileError(f"unknown arch {arch!r}; known: {', '.join(sysdesc.ARCHS)}")
     check_plugin()
     reqs = [for_arch(r, arch) for r in reqs]
-    work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="wan_compile_"))
+    work = Path(work_dir) if work_dir is not None else scratch.scratch_dir("compile-")
     work.mkdir(parents=True, exist_ok=True)
     desc = prepare_descriptor(arch, max(r.num_devices for r in reqs), work)
     # Give every request its own IR folder so the exported files cannot be confused.
@@ -255,11 +226,7 @@ def compile_many(
         params = {"requests": [{"index": i, **reqs[i].to_json(), **({"traced": traced[i]} if i in traced else {})}
                                for i in pending]}
         log_file = work / f"worker_{attempt}.log"
-        tmp = private_tmpdir(work)
-        try:
-            run = _run(params, worker_env(desc, tmp), log_file, remaining, python, verbose)
-        finally:
-            remove_assets(tmp)
+        run = _run(params, worker_env(desc), log_file, remaining, python, verbose)
         if run.timed_out:
             raise CompileError(f"compile worker timed out after {remaining:.0f} s; log: {log_file}")
         log = run.output

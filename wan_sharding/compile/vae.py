@@ -16,7 +16,6 @@ set before JAX starts, as the DiT's compile worker does (:mod:`.runner`).
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -93,15 +92,14 @@ def compile_vae(requests: list[VaeCompileRequest], arch: str = "wormhole_b0", ti
     """Compile ``requests`` in one worker; a report per request (the worker's result plus the bill)."""
     from ..workers import WorkerError, run_worker
     from .bill import collective_table
-    from .runner import check_plugin, prepare_descriptor, private_tmpdir, remove_assets, trace_env, worker_env
+    from .. import scratch
+    from .runner import check_plugin, prepare_descriptor, trace_env, worker_env
     from .ttnn_ir import TTNNModule
 
     check_plugin()
     chips = max(mesh_from_preset(r.mesh).num_devices for r in requests)
-    with tempfile.TemporaryDirectory(prefix="wan_vae_compile_") as work:
-        work_dir = Path(work)
+    with scratch.folder(None, "vae-compile-") as work_dir:  # the worker runner gives each worker its TMPDIR
         desc = prepare_descriptor(arch, chips, work_dir)
-        tmp = private_tmpdir(work_dir)
         out_root = Path(keep_irs) if keep_irs else work_dir / "irs"
         params = {"requests": [asdict(r) for r in requests], "out_root": str(out_root), "stage": "compile"}
         xla = [i for i, r in enumerate(requests) if r.frontend == "torch-xla"]
@@ -110,11 +108,8 @@ def compile_vae(requests: list[VaeCompileRequest], arch: str = "wormhole_b0", ti
                                 trace_env(chips), label="VAE torch-xla trace worker", timeout=timeout)
             for i, t in zip(xla, traced.results):
                 params["requests"][i]["traced"] = t
-        try:
-            run = run_worker("wan_sharding.compile.vae", params, worker_env(desc, tmp), label="VAE compile worker",
-                             timeout=timeout, stall_s=None)
-        finally:
-            remove_assets(tmp)
+        run = run_worker("wan_sharding.compile.vae", params, worker_env(desc), label="VAE compile worker",
+                         timeout=timeout, stall_s=None)
         if not run.results:
             raise WorkerError(f"the VAE compile worker gave no result (exit {run.returncode}):\n{run.output[-4000:]}")
         reports = []

@@ -25,7 +25,8 @@ from ..mesh import mesh_from_preset
 from ..options import DEFAULT_PADDING, torch_dtype
 from ..plan import ShardingPlan
 from ..workers import WorkerError, WorkerRun, atomic_write, emit, run_worker, worker_main
-from .launch import mesh_arg, num_devices, plan_devices, plan_mesh_arg, prepare_worker, stall_seconds, worker_env
+from .launch import (mesh_arg, num_devices, plan_devices, plan_mesh_arg, prepare_worker, quiet_progress, stall_seconds,
+                     worker_env)
 from .pcc import compare, grade
 
 WORKER = "wan_sharding.jobs.generate"
@@ -42,6 +43,17 @@ def run_generate(params: dict[str, Any], echo: bool = True) -> WorkerRun:
                       worker_env(params["backend"], devices, params.get("distributed")),
                       label=f"{params['backend']} worker (generate)", echo=echo,
                       stall_s=stall_seconds(params["backend"]))
+
+
+def output_files(out: str | Path, variant: str, backend: str, mesh: str | None, padding: str | None,
+                 plan_name: str | None = None, cache: str | None = None, video_format: str | None = None) -> list[Path]:
+    """What one ``generate`` writes: ``<out>/<variant>-<backend>-<mesh>-<padding>[-<cache>]`` (a plan's
+    name in place of mesh and padding) as the video (``.mp4`` or ``.gif``) and its ``.json``
+    summary. The command checks them before it starts (``--overwrite``); the worker writes them."""
+    tag = f"{mesh}-{padding}" if not plan_name else "plan-" + plan_name.replace(" ", "_").replace("[", "").replace("]", "")
+    cache = cache or "none"
+    stem = Path(out) / f"{variant}-{backend}-{tag}{'' if cache == 'none' else '-' + cache}"
+    return [stem.with_suffix("." + (video_format or "mp4")), stem.with_suffix(".json")]
 
 
 def compare_in_subprocess(backend: str, meshes: list[str], variant: str = "t2v-a14b", steps: int = 2,
@@ -84,7 +96,8 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     tiny = not p.get("model")
     dtype_name = p.get("dtype") or ("fp32" if tiny else "bf16")
     dtype = torch_dtype(dtype_name)
-    pipe = build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=dtype) if tiny else load_pipeline(p["model"], dtype)
+    pipe = quiet_progress(build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=dtype) if tiny
+                          else load_pipeline(p["model"], dtype))
     variant = p["variant"] if tiny else pipeline_variant(pipe)
     build_s = time.perf_counter() - t0
 
@@ -176,9 +189,9 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
         result.update(vae_split=info["vae"].get("frame_split"), vae_calls=info["vae"]["calls"])
     steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
     latents = final["latents"]
-    tag = f"{p['mesh']}-{p['padding']}" if plan is None else "plan-" + plan.name.replace(" ", "_").replace("[", "").replace("]", "")
-    stem = Path(p["out"]) / f"{variant}-{p['backend']}-{tag}{'' if cache == 'none' else '-' + cache}"
-    video = write_video(frames, stem, video_format=p.get("video_format") or "mp4")
+    video_path, summary = output_files(p["out"], variant, p["backend"], p["mesh"], p["padding"],
+                                       None if plan is None else plan.name, cache, p.get("video_format"))
+    video = write_video(frames, video_path.with_suffix(""), video_format=p.get("video_format") or "mp4")
     expert = next(iter(info["experts"].values()))
     result.update(
         experts=list(info["experts"]), params=expert["params"], sp_points=len(expert.get("sp_points", [])),
@@ -186,7 +199,7 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
         latent_shape=list(latents.shape), video_shape=list(frames.shape),
         tokens=expert.get("last_tokens"), padded_tokens=expert.get("last_padded_tokens"),
         seconds=round(end - start, 3), step_seconds=[round(s, 3) for s in steps_s],
-        decode_seconds=round(end - marks[-1], 3), output=str(video), summary=str(stem.with_suffix(".json")),
+        decode_seconds=round(end - marks[-1], 3), output=str(video), summary=str(summary),
     )
     tok = result["tokens"]
     pad = f" -> {result['padded_tokens']} padded" if result["padded_tokens"] != tok else ""

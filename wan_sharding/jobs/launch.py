@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -66,11 +67,22 @@ def _finish_env(env: dict[str, str], distributed: Mapping[str, Any] | None) -> d
     # JAX worker too: say which torch-xla device to use and keep their import noise down.
     env.setdefault("PJRT_DEVICE", "CPU")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    env.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
     # Make the package importable in the child even when run from a source checkout.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
+
+
+def quiet_progress(pipe: Any) -> Any:
+    """``pipe`` with its progress bar off unless this worker's stderr is a terminal (piped or in a
+    log, a bar is a line of carriage returns). diffusers' pipelines pass ``disable`` to tqdm
+    themselves, so the runner's ``TQDM_DISABLE`` does not reach them: this is the pipeline's own
+    per-instance setting."""
+    from ..noise import is_terminal
+
+    if not is_terminal(sys.stderr):
+        pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def stall_seconds(backend: str) -> float | None:

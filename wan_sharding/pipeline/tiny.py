@@ -25,6 +25,7 @@ Nothing is downloaded.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,14 +171,22 @@ def test_image(height: int, width: int):
     return Image.fromarray(rgb, "RGB")
 
 
-def pipeline_variant(pipe: Any) -> str:
-    """Which Wan 2.2 variant a pipeline is (from its class, expert count and config)."""
-    name = type(pipe).__name__
-    if name == "WanImageToVideoPipeline" or "ImageToVideo" in name:
+def _variant(class_name: str, expand_timesteps: bool) -> str:
+    if "ImageToVideo" in class_name:
         return "i2v-a14b"
-    if getattr(pipe.config, "expand_timesteps", False):
-        return "ti2v-5b"
-    return "t2v-a14b"
+    return "ti2v-5b" if expand_timesteps else "t2v-a14b"
+
+
+def pipeline_variant(pipe: Any) -> str:
+    """Which Wan 2.2 variant a pipeline is (from its class and config)."""
+    return _variant(type(pipe).__name__, bool(getattr(pipe.config, "expand_timesteps", False)))
+
+
+def checkpoint_variant(path: str | Path) -> str:
+    """Which Wan 2.2 variant a checkpoint directory holds, from its ``model_index.json`` alone (the
+    class and config :func:`pipeline_variant` reads once it is loaded)."""
+    index = json.loads((Path(path) / "model_index.json").read_text())
+    return _variant(str(index.get("_class_name")), bool(index.get("expand_timesteps", False)))
 
 
 def call_kwargs(pipe: Any, prompt: str = "a red fox running through snow", negative_prompt: str = "",

@@ -16,13 +16,13 @@ it wins only by more than that.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .. import scratch
 from ..compile.cfg import ONE_PROGRAM, SEQUENTIAL_FORWARDS_PER_STEP, cfg_compile
 from ..mesh import PHYSICAL_AXIS_NAMES, MeshError, parse_mesh_shape
 from ..systems import BindingError, HostCuts, check_binding_grid, host_cuts, rank_binding, tt_mlir_rejects
@@ -255,7 +255,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
         attention: ``"fused"`` (scores stay on chip) or ``"materialised"`` (scores in DRAM: counted in
             memory and time); see :mod:`wan_sharding.planner.ir_cost`.
         topology: ``"machine"``, ``"line"`` or ``"ring"`` (see :func:`~wan_sharding.planner.hardware.fabric_for`).
-        work_dir: where compiled IRs go (a new temporary folder when None).
+        work_dir: where compiled IRs go and stay (None: a scratch folder, removed when planning ends).
         timeout: seconds for each compile batch.
         max_rounds: compile batches at most (a batch is topped up when plans fail to compile).
         keep: restrict the search to the plans this accepts (e.g. ``lambda p: p.padding == "mask"``).
@@ -336,35 +336,39 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
     compiled_list: list[Candidate] = []
     if compile:
         t2 = time.perf_counter()
-        root = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="wan_plan_"))
-        queue = list(ordered)
-        rounds = 0
-        while queue and rounds < max_rounds:
-            ok = sum(1 for c in compiled_list if c.compiled.ok)
-            want = top - ok if rounds else top
-            if want <= 0:
-                break
-            batch, queue = queue[:want], queue[want:]
-            if cfg_split and not rounds:
-                # both layouts compiled, compared on the same unit: the best CFG split and the best
-                # whole-mesh plan join the first batch when stage 1 left either out of the top
-                for split in (True, False):
-                    if not any(bool(c.cfg_axis) == split for c in batch):
-                        best = next((c for c in queue if bool(c.cfg_axis) == split), None)
-                        if best is not None:
-                            batch.append(best)
-                            queue.remove(best)
-            rounds += 1
-            results = compiled.evaluate(work, [c.full_plan for c in batch], chip, [compile_fabric(fabric, c) for c in batch],
-                                        work_dir=root / f"round_{rounds}", attention=attention, timeout=timeout,
-                                        progress=say, cuts=[compile_cuts(cuts, c) for c in batch])
-            for c, r in zip(batch, results):
-                if c.cfg_axis:
-                    r = compiled.amortise_cfg(r, work.layers, c.cfg_parts, *cfg_exchange(work, fabric, c, cuts))
-                c.compiled = r
-                compiled_list.append(c)
-                say(f"  {c.name}: " + (f"{r.seconds_per_step:.2f} s/step" if r.ok
-                                       else f"does not compile: {r.short_error()[:120]}"))
+        with scratch.folder(work_dir, "plan-") as root:  # the IRs are kept only under --out
+            queue = list(ordered)
+            rounds = 0
+            while queue and rounds < max_rounds:
+                ok = sum(1 for c in compiled_list if c.compiled.ok)
+                want = top - ok if rounds else top
+                if want <= 0:
+                    break
+                batch, queue = queue[:want], queue[want:]
+                if cfg_split and not rounds:
+                    # both layouts compiled, compared on the same unit: the best CFG split and the best
+                    # whole-mesh plan join the first batch when stage 1 left either out of the top
+                    for split in (True, False):
+                        if not any(bool(c.cfg_axis) == split for c in batch):
+                            best = next((c for c in queue if bool(c.cfg_axis) == split), None)
+                            if best is not None:
+                                batch.append(best)
+                                queue.remove(best)
+                rounds += 1
+                results = compiled.evaluate(work, [c.full_plan for c in batch], chip,
+                                            [compile_fabric(fabric, c) for c in batch], work_dir=root / f"round_{rounds}",
+                                            attention=attention, timeout=timeout, progress=say,
+                                            cuts=[compile_cuts(cuts, c) for c in batch])
+                for c, r in zip(batch, results):
+                    if c.cfg_axis:
+                        r = compiled.amortise_cfg(r, work.layers, c.cfg_parts, *cfg_exchange(work, fabric, c, cuts))
+                    c.compiled = r
+                    compiled_list.append(c)
+                    say(f"  {c.name}: " + (f"{r.seconds_per_step:.2f} s/step" if r.ok
+                                           else f"does not compile: {r.short_error()[:120]}"))
+        if work_dir is None:  # the IRs went with the scratch folder: name none
+            for c in compiled_list:
+                c.compiled.ttnn_paths = (None, None)
         timings["stage2"] = time.perf_counter() - t2
     ok_compiled = [c for c in compiled_list if c.compiled.ok]
     if compile and ok_compiled:

@@ -1,0 +1,271 @@
+"""The docs' figures from ``results/*.json``: each quoted table is generated, never typed.
+
+A page holds a figure block between two marks,
+
+    <!-- figures:NAME (generated from results/...json by scripts/docs_figures.py) -->
+    ...
+    <!-- /figures:NAME -->
+
+and :data:`BLOCKS` says which page and which function renders it from the results. The scripts
+that write a result rewrite its blocks when they finish (:func:`update`), and
+``tests/test_docs.py`` renders every block again and fails on any difference (:func:`stale`), so
+an edited figure, or a re-run that left a page behind, is caught.
+
+    python scripts/docs_figures.py            # rewrite every block from results/
+    python scripts/docs_figures.py --check    # exit 1 naming the blocks that differ
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = re.compile(r"^<!-- figures:(?P<name>[\w-]+) (?P<note>[^\n]*?)-->\n(?P<body>.*?)^<!-- /figures:(?P=name) -->$",
+                  re.M | re.S)
+
+
+def _load(root: Path, name: str) -> dict:
+    return json.loads((root / "results" / name).read_text())
+
+
+def _date(data: dict) -> str:
+    return str(data.get("date", "date not recorded"))[:10]
+
+
+# ------------------------------------------------------------------------------- the planner
+
+
+PLAN_RUNS = (("8x4", "wormhole_b0"), ("2x4", "wormhole_b0"), ("2x4", "blackhole"), ("8x4", "blackhole"))
+CHIP_NAMES = {"wormhole_b0": "Wormhole", "blackhole": "Blackhole"}
+
+
+def plan_words(c: dict) -> str:
+    """A planner candidate in words: ``SP 8 (rows) / TP 4 (cols), FSDP, replicated D, mask``."""
+    axes = c["mesh_axes"]
+    roles = [f"{role.upper()} {c[role]} ({'+'.join(axes[role])})" for role in ("sp", "tp") if c[role] > 1]
+    extra = (["FSDP"] if c["fsdp"] else []) + [f"{c['layout']} D"] + ([c["padding"]] if c["padding"] != "none" else [])
+    return ", ".join([" / ".join(roles) or "no split", *extra])
+
+
+def _recipe_layout(c: dict) -> bool:
+    # tt-xla's recipe: SP over the rows, TP over the columns (docs/design.md)
+    return c["mesh_axes"]["sp"] == ["rows"] and c["mesh_axes"]["tp"] == ["cols"]
+
+
+def _compiled(run: dict) -> list[dict]:
+    """A planner run's plans costed from their compiled programs, best first."""
+    return sorted((c for c in run["candidates"] if c["stage"] == "compiled"
+                   and c.get("estimated_seconds_per_forward") is not None), key=lambda c: c["rank"])
+
+
+def plan_480p(root: Path) -> str:
+    runs = {(m, a): _load(root, f"plan_{m}_{a}_480p.json") for m, a in PLAN_RUNS}
+    first = runs[PLAN_RUNS[0]]
+    n = first["counts"]
+    lines = [
+        f"Measured on this 2-core machine ({_date(first)}, `scripts/bench_plan.py --with-plans`, compile-only "
+        f"tt-mlir): the full 8x4 Wormhole plan at 480p takes {first['wall_seconds']:.0f} s ({n['enumerated']} "
+        f"plans, {n['legal']} legal, {n['compiled']} compiled, {n['compiled_ok']} accepted by tt-mlir). What it "
+        "recommends at 480p (`wan-sharding plan --mesh 8x4 --arch wormhole_b0 --resolution 480p --json` and the "
+        "same for each mesh and chip below, kept in `results/plan_*_480p.json`), the next best plan, and where "
+        "tt-xla's own layout (SP over the rows, TP over the columns) ranks:",
+        "",
+        "| mesh, chip | recommended | GB per chip | est. s per forward | next best | tt-xla's layout |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (mesh, arch), d in runs.items():
+        ranked = _compiled(d)
+        rec, nxt = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+        assert rec["name"] == d["recommended"]["name"], "the best compiled plan is the recommendation"
+        recipe = next((c for c in ranked if _recipe_layout(c)), None)
+        nxt_text = "-" if nxt is None else (f"{plan_words(nxt)}: {nxt['estimated_seconds_per_forward']:.2f} s "
+                                            f"({nxt['why_lost']})")
+        recipe_text = ("not compiled" if recipe is None else "recommended" if recipe is rec
+                       else f"#{recipe['rank']}, {plan_words(recipe)}: {recipe['estimated_seconds_per_forward']:.2f} s")
+        lines.append(f"| {mesh} {CHIP_NAMES[arch]} | {plan_words(rec)} | {rec['memory_per_chip_gb']:.2f} of "
+                     f"{d['chip']['dram_gb']:g} | {rec['estimated_seconds_per_forward']:.2f} | {nxt_text} | "
+                     f"{recipe_text} |")
+    return "\n".join(lines)
+
+
+def plan_cfg_split(root: Path) -> str:
+    d = _load(root, "plan_8x4_wormhole_b0_480p_cfg-split.json")
+    compiled = _compiled(d)
+    split = next(c for c in compiled if c.get("cfg_split"))
+    whole = next(c for c in compiled if not c.get("cfg_split"))
+    best, other = (split, whole) if split["rank"] < whole["rank"] else (whole, split)
+    gap = 100 * (other["estimated_seconds_per_forward"] / best["estimated_seconds_per_forward"] - 1)
+    what = lambda c: (f"{plan_words(c)} on each half (a CFG split)" if c.get("cfg_split")  # noqa: E731
+                      else f"the whole mesh as {plan_words(c)}")
+    return (f"These rank whole-mesh plans (the default; `scripts/bench_plan.py` runs them so). With the CFG splits "
+            f"of the next section (`--cfg-split`; `results/plan_8x4_wormhole_b0_480p_cfg-split.json`, "
+            f"{_date(d)}, {d['wall_seconds']:.0f} s), the 8x4 Wormhole plan puts {what(best)} first at "
+            f"{best['estimated_seconds_per_forward']:.2f} s per forward, then {what(other)} at "
+            f"{other['estimated_seconds_per_forward']:.2f} s (+{gap:.1f} %).")
+
+
+def plan_model(root: Path) -> str:
+    d = _load(root, "plan.json")
+    p = d["primary"]
+    slower = sorted((p["measured_over_predicted_1x4"], p["measured_over_predicted_2x4"]))
+    return (f"**Honest error**: against the one hardware measurement of this path (`docs/hardware-facts.md`: 1x4 TP-only "
+            f"~{d['reference']['1x4_seconds']:g} s vs 2x4 TP+SP ~{d['reference']['2x4_seconds']:g} s, ratio "
+            f"{d['reference']['ratio']:.2f}) the model predicts {p['predicted_1x4_s']:.1f} s vs "
+            f"{p['predicted_2x4_s']:.1f} s, a ratio of {p['predicted_ratio']:.2f} ({p['ratio_error_pct']:+.1f} %); "
+            f"its absolute times are ~{slower[0]:.1f}-{slower[1]:.1f}x faster than the hardware's, so use it to "
+            f"rank plans, not to quote seconds (`.venv/bin/python scripts/bench_plan.py`, run {_date(d)}, "
+            f"{d['wall_seconds']:.0f} s, `results/plan.json`).")
+
+
+# ------------------------------------------------------------------------------- check, profile, serve
+
+
+def fuzz(root: Path) -> str:
+    d = _load(root, "fuzz.json")
+    tokens = d["coverage"]["tokens"]
+    case = d["worst_case"].split(":")
+    return (f"Last full run ({_date(d)}): `{d['command']}`, {d['cases']} cases in {d['seconds']:.0f} s on this "
+            f"shared 2-core host, **{d['mismatches']} mismatches**, worst max-abs {d['worst_max_abs']:.2e} "
+            f"({case[0]}, {case[1]}, {case[3]} padding), lowest PCC {d['min_pcc']:.14f}; {tokens['aligned']} "
+            f"aligned, {tokens['unaligned, > 2']} unaligned and {tokens['1-2']} one- or two-token cases "
+            "(`results/fuzz.json`).")
+
+
+def profile(root: Path) -> str:
+    d = _load(root, "profile.json")
+    r0 = d["results"][0]
+    padded = max(r["padded_tokens"] for r in d["results"])
+    lines = [f"Side by side (`.venv/bin/{d['command']}`, run {_date(d)}, {d['seconds']:.0f} s, `results/profile.json`; "
+             f"tiny DiT, {r0['tokens']} tokens padded to {padded}, CPU virtual devices: compares configurations, "
+             "does not predict hardware):", "",
+             "| backend | what | config | median s | x unsharded | x slice |", "|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        config = r["mesh"] if r["mesh"] == "unsharded" else f"{r['mesh']} {r['padding']}"
+        vs_slice = "" if r.get("vs_slice") is None else f"{r['vs_slice']:.2f}"
+        lines.append(f"| {r['backend']} | {r['what']} | {config} | {r['median_s']:.4f} | {r['vs_unsharded']:.2f} | "
+                     f"{vs_slice} |")
+    return "\n".join(lines)
+
+
+def serve(root: Path) -> str:
+    d = _load(root, "serve.json")
+    s, load, fault, tp = d["setup"], d["load"], d["fault"], d["throughput"]
+    runs = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    lines = [
+        f"`{d['command'].strip()}`, {d['date']}, on this project's 2-core CPU machine (load average "
+        f"{s['load_average_start']} at the start, {s['load_average_end']} at the end), so N is kept small: "
+        f"**{s['n']} requests each**. The {s['pipeline']}, {s['backend']} backend, {s['mesh']} CPU mesh, "
+        f"`generate`'s default request ({s['request'].split(' (')[0]}), {s['video']} videos. Latency: a standalone "
+        "run is one `wan-sharding generate` process, start to exit; a resident request is POST to video "
+        f"downloaded, on a server already warm (its own start: {d['server_ready_seconds']:.1f} s).",
+        "",
+        "| | p50 s | p95 s | runs (s) |", "|---|---|---|---|",
+        f"| standalone `generate` (a new process each) | {d['p50']['standalone']:.2f} | {d['p95']['standalone']:.2f} "
+        f"| {runs(d['standalone_seconds'])} |",
+        f"| resident `serve` (warm) | {d['p50']['resident']:.2f} | {d['p95']['resident']:.2f} | "
+        f"{runs(d['resident_seconds'])} |",
+        f"| **ratio, standalone / resident (p50)** | **{d['ratio_p50']}x** | | |",
+        "",
+        f"The server's videos were byte-identical to `generate`'s: {str(d['resident_identical_to_generate']).lower()}.",
+        "",
+        "| load run | clients | `--queue` | accepted | rejected (429) | completed | lost |", "|---|---|---|---|---|---|---|",
+        f"| all at once, one request each | {load['clients']} | {load['queue']} | {load['accepted']} | "
+        f"{load['rejected_429']} | {load['completed']} | **{load['lost']}** |",
+        "",
+        "| fault run: worker SIGKILLed mid-job | |", "|---|---|",
+        f"| the job | `{fault['job_status']}`, `{fault['job_error']['code']}`: {fault['job_error']['message']} |",
+        f"| seconds from the kill to the job's error | {fault['seconds_to_error']:.2f} |",
+        f"| seconds from the kill to `/health` 200 again | {fault['seconds_to_ready']:.2f} (a new process: imports, "
+        "build, shard, warm-up) |",
+        f"| the same request after, byte-identical | {str(fault['byte_identical_after']).lower()} |",
+        "",
+        f"Throughput: {tp['runs'][0]['jobs']} requests posted at once to a warm server, from the first POST to the "
+        f"last job completed, on {tp['mesh']}, the same settings, one run each:",
+        "",
+        "| | seconds | requests / min | jobs per worker |", "|---|---|---|---|",
+    ]
+    for r in tp["runs"]:
+        what = "1 worker" if r["replicas"] == 1 else f"{r['replicas']} replicas"
+        lines.append(f"| {what} | {r['seconds']:.2f} | {r['requests_per_minute']:.1f} | "
+                     f"{', '.join(map(str, r['jobs_per_worker']))} |")
+    lines.append(f"| **ratio, 2 replicas / 1** | | **{tp['ratio_2_over_1']}x** | |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- blocks and pages
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    render: Callable[[Path], str]
+    sources: str  # what the mark names
+
+
+BLOCKS: dict[str, Block] = {
+    "plan-480p": Block("docs/planner.md", plan_480p, "results/plan_*_480p.json"),
+    "plan-cfg-split": Block("docs/planner.md", plan_cfg_split, "results/plan_8x4_wormhole_b0_480p_cfg-split.json"),
+    "plan-model": Block("docs/planner.md", plan_model, "results/plan.json"),
+    "fuzz": Block("docs/check.md", fuzz, "results/fuzz.json"),
+    "profile": Block("docs/pipelines.md", profile, "results/profile.json"),
+    "serve": Block("docs/serving.md", serve, "results/serve.json"),
+}
+
+
+def _pages(names: Iterable[str]) -> dict[str, list[str]]:
+    pages: dict[str, list[str]] = {}
+    for name in names:
+        pages.setdefault(BLOCKS[name].page, []).append(name)
+    return pages
+
+
+def stale(root: Path = ROOT, texts: dict[str, str] | None = None) -> list[str]:
+    """The blocks whose text differs from what the results render (or that a page lacks), as
+    ``"page: name"``; ``texts``: page texts to check instead of the files (a test's edited copy)."""
+    out = []
+    for page, names in _pages(BLOCKS).items():
+        text = (texts or {}).get(page)
+        found = {m["name"]: m["body"] for m in MARK.finditer(text if text is not None else (root / page).read_text())}
+        out += [f"{page}: {n}" for n in names if found.get(n) != BLOCKS[n].render(root) + "\n"]
+    return out
+
+
+def update(names: Iterable[str] | None = None, root: Path = ROOT) -> list[str]:
+    """Rewrite the blocks ``names`` (default: all) from the results; returns those that changed.
+    KeyError for a block its page lacks (add the two marks first)."""
+    changed = []
+    for page, todo in _pages(names or BLOCKS).items():
+        path = root / page
+        text = path.read_text()
+        for name in todo:
+            m = next((m for m in MARK.finditer(text) if m["name"] == name), None)
+            if m is None:
+                raise KeyError(f"{page} has no block {name!r}")
+            body = BLOCKS[name].render(root) + "\n"
+            if m["body"] != body:
+                text = text[:m.start("body")] + body + text[m.end("body"):]
+                changed.append(f"{page}: {name}")
+        path.write_text(text)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 naming the blocks that differ")
+    args = ap.parse_args(argv)
+    if args.check:
+        bad = stale()
+        print("\n".join(bad) or "every figure block matches results/")
+        return 1 if bad else 0
+    print("\n".join(update()) or "nothing to change")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
