@@ -212,7 +212,7 @@ def test_generate_writes_video_and_summary_and_matches_unsharded_xla(jobs):
     UMT5 encoder sharded, the final latents against the unsharded pipeline's."""
     proc = jobs["generate"].result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[0] == "backend: xla; patches: none; cache: none; cfg: 1"
+    assert proc.stdout.splitlines()[0] == "backend: xla; patches: none; cache: none; cfg: 1; text encoder: mesh; vae: host"
     assert "compare: final latents sharded vs unsharded PCC" in proc.stdout
     assert "it/s]" not in proc.stderr  # its stderr is a pipe here: no progress bars
     summary = json.loads(Path(jobs["out"], "t2v-a14b-xla-2x4-slice.json").read_text())
