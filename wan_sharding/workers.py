@@ -91,6 +91,15 @@ _LIVE: dict[subprocess.Popen, Path] = {}  # each live worker and its private TMP
 _LIVE_LOCK = threading.Lock()
 
 
+def with_package_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this package's source root first on ``PYTHONPATH`` (once), so a worker imports
+    the same copy as its parent, also from a source checkout."""
+    root = str(Path(__file__).resolve().parents[1])
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    env["PYTHONPATH"] = os.pathsep.join([root, *rest])
+    return env
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """Kill the worker and anything it started (:func:`kill_tree`), then reap it. Also after the
     worker exited by itself: children it left running (a compiler it had started when it crashed)

@@ -98,9 +98,7 @@ def trace_env(num_devices: int) -> dict[str, str]:
 
 
 def _importable(env: dict[str, str]) -> dict[str, str]:
-    # The worker imports this package; make sure it finds the same copy as the caller.
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    workers.with_package_path(env)  # the worker imports this package: the same copy as the caller
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

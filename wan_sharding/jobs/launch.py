@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ..mesh import mesh_from_preset
+from ..workers import with_package_path
 
 UNSHARDED = "unsharded"  # the one-device baseline a profile compares against
 
@@ -67,10 +67,7 @@ def _finish_env(env: dict[str, str], distributed: Mapping[str, Any] | None) -> d
     # JAX worker too: say which torch-xla device to use and keep their import noise down.
     env.setdefault("PJRT_DEVICE", "CPU")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    # Make the package importable in the child even when run from a source checkout.
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
+    return with_package_path(env)  # the package importable in the child, also from a source checkout
 
 
 def quiet_progress(pipe: Any) -> Any:
