@@ -16,7 +16,8 @@ from wan_sharding.cli.compile import add_subcommands
 from wan_sharding.compile import CompileError, CompileRequest, CompileResult, compile_many, per_block_bill, sysdesc, ttnn_ir
 from wan_sharding.compile.bill import bill_problems, program_split
 from wan_sharding.compile.cfg import ONE_PROGRAM, PER_GROUP, cfg_compile, compile_request, group_plan
-from wan_sharding.compile.report import build_report, format_report
+from wan_sharding.compile.report import build_report
+from wan_sharding.compile.report_text import format_report
 from wan_sharding.mesh import with_cfg
 from wan_sharding.plan import ShardingPlan
 

@@ -9,7 +9,8 @@ The pieces, caller to worker and back:
 - :mod:`.sysdesc`: the system descriptors tt-mlir compiles against;
 - :mod:`.ttnn_ir`: the one parser of the TTNN text tt-mlir exports;
 - :mod:`.bill`: that text read against the design (per-block bill, tile alignment, padding cost);
-- :mod:`.report`: the reports ``wan-sharding compile`` prints (:func:`compile_reports`);
+- :mod:`.report`: the reports ``wan-sharding compile`` prints, as data (:func:`compile_reports`), and
+  :mod:`.report_text` as text (:func:`format_report`);
 - :mod:`.xla_lowering` + :mod:`.shardy`: the torch-xla frontend (the lowering hardware compiles) and
   its GSPMD -> Shardy converter;
 - :mod:`.composites`: the StableHLO composites tt-xla's torch plugin marks (``--composites``);
@@ -19,8 +20,8 @@ The pieces, caller to worker and back:
 """
 
 from .bill import BlockBill, bill_ok, per_block_bill
-from .report import (EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, compile_reports, format_report, keep_cited,
-                     report_exit_code)
+from .report import EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, compile_reports, keep_cited, report_exit_code
+from .report_text import format_report
 from .request import FRONTENDS, CompileError, CompileRequest, CompileResult, latent_for
 from .runner import compile_dit, compile_many
 from .shardy import gspmd_to_shardy
