@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +156,10 @@ def compile_vae(requests: list[VaeCompileRequest], arch: str = "wormhole_b0", ti
 # ---- worker side --------------------------------------------------------------------------------
 
 
-def _compile_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
+def _compile_steps(reqs: list[VaeCompileRequest], out_dirs: list[Path]) -> list[dict[str, Any]]:
+    """Requests that differ only in their ``step`` (torchax): one sharded VAE, the decode's steps
+    traced once in order (a step no request asks for only for its cache's shapes), each asked-for
+    one lowered and compiled. A result per request, in order."""
     import jax
     import jax.numpy as jnp
     import torchax
@@ -168,6 +171,7 @@ def _compile_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
     from ..vae import shard_vae
 
     t0 = time.perf_counter()
+    req = reqs[0]
     mesh = mesh_from_preset(req.mesh)
     backend = JaxBackend(mesh, devices=list(jax.devices()[: mesh.num_devices]))
     vae = build_vae(req.kind, req.size, device="meta", dtype=torch_dtype(req.dtype))
@@ -186,26 +190,37 @@ def _compile_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
         act = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[req.dtype]
         z = jax.ShapeDtypeStruct((1, vae.config.z_dim, 1, h, w), act, sharding=backend.sharding(()))
         spec = _cache_spec(handle, z.shape)
+        wanted = {STEPS[r.step]: (r, d) for r, d in zip(reqs, out_dirs)}
+        results: dict[int, dict[str, Any]] = {}
         step, cache = handle.step_function("decode"), ()
-        for _ in range(STEPS[req.step]):  # the steps before: traced for their cache's shapes
-            _, out = jax.eval_shape(program(step), handle.placed, z, *cache)
+        for index in range(max(wanted) + 1):
+            if index in wanted:
+                lowered = jax.jit(program(step)).lower(handle.placed, z, *cache)
+                results[index] = _compiled(lowered, wanted[index][1], time.perf_counter() - t0,
+                                           _step_facts(handle, step, z.shape))
+                out = lowered.out_info[1]
+            else:
+                _, out = jax.eval_shape(program(step), handle.placed, z, *cache)
             cache = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=backend.sharding(spec(len(c.shape))))
                           for c in out)
             step = handle.step_function("decode", after=step)
-        lowered = jax.jit(program(step)).lower(handle.placed, z, *cache)
-        t1 = time.perf_counter()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        result: dict[str, Any] = {"out_dir": str(out_dir), "lower_seconds": round(t1 - t0, 2),
-                                  **_step_facts(handle, step, z.shape)}
-        try:
-            lowered.compile(compiler_options={"export_path": str(out_dir)})
-            result["ok"] = True
-        except Exception as e:  # tt-mlir's refusal, as the plugin raises it
-            result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
-        result["compile_seconds"] = round(time.perf_counter() - t1, 2)
-        return _with_ttnn(result, out_dir)
+        return [results[STEPS[r.step]] for r in reqs]
     finally:
         handle.remove()
+
+
+def _compiled(lowered: Any, out_dir: Path, lower_seconds: float, facts: dict[str, Any]) -> dict[str, Any]:
+    """``lowered`` compiled by tt-mlir with its IRs exported under ``out_dir``; the result."""
+    t1 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"out_dir": str(out_dir), "lower_seconds": round(lower_seconds, 2), **facts}
+    try:
+        lowered.compile(compiler_options={"export_path": str(out_dir)})
+        result["ok"] = True
+    except Exception as e:  # tt-mlir's refusal, as the plugin raises it
+        result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
+    result["compile_seconds"] = round(time.perf_counter() - t1, 2)
+    return _with_ttnn(result, out_dir)
 
 
 def _cache_spec(handle: Any, z_shape: tuple) -> Any:
@@ -326,14 +341,23 @@ def _job(params: dict[str, Any]):
     devices = jax.devices()
     if devices[0].platform != "tt":
         raise CompileError(f"JAX platform is {devices[0].platform!r}, not 'tt': TT_COMPILE_ONLY_SYSTEM_DESC was not honoured")
-    for i, raw in enumerate(params["requests"]):
-        traced = raw.get("traced")
-        req = VaeCompileRequest(**{k: v for k, v in raw.items() if k != "traced"})
+    reqs = [VaeCompileRequest(**{k: v for k, v in raw.items() if k != "traced"}) for raw in params["requests"]]
+    i = 0
+    while i < len(reqs):
+        traced = params["requests"][i].get("traced")
+        # torchax: the next requests that differ only in their step share one trace of the decode
+        j = i + 1
+        while (traced is None and j < len(reqs) and params["requests"][j].get("traced") is None
+               and replace(reqs[j], step=reqs[i].step) == reqs[i] and reqs[j].step not in {r.step for r in reqs[i:j]}):
+            j += 1
         try:
-            yield (_compile_traced(req, traced, name(i, req)) if traced is not None
-                   else _compile_one(req, name(i, req)))
-        except Exception as e:  # a setup error: reported, the next request goes on
-            yield {"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}
+            if traced is not None:
+                yield _compile_traced(reqs[i], traced, name(i, reqs[i]))
+            else:
+                yield from _compile_steps(reqs[i:j], [name(k, reqs[k]) for k in range(i, j)])
+        except Exception as e:  # a setup error: reported, the next requests go on
+            yield from [{"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}] * (j - i)
+        i = j
 
 
 if __name__ == "__main__":
