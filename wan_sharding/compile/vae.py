@@ -80,15 +80,21 @@ def frame_bytes(req: VaeCompileRequest) -> int:
 
 def xla_trace_bytes(req: VaeCompileRequest) -> int:
     """Host bytes the torch-xla frontend's trace holds for the VAE's weights: real buffers, once per
-    virtual CPU device (705 M bf16 parameters of Wan 2.2's VAE on 8x4: 45 GB)."""
-    import torch
-
+    virtual CPU device, the decoder's only (:func:`_decoder_only`; 555 M bf16 parameters of Wan 2.2's
+    VAE on 8x4: 33 GiB). The trace adds the step's cache and activations to it."""
     from ..models import build_vae
     from ..options import torch_dtype
 
-    vae = build_vae(req.kind, req.size, device="meta", dtype=torch_dtype(req.dtype))
+    vae = _decoder_only(build_vae(req.kind, req.size, device="meta", dtype=torch_dtype(req.dtype)))
     per_copy = sum(p.numel() * p.element_size() for p in vae.parameters())
     return per_copy * mesh_from_preset(req.mesh).num_devices
+
+
+def _decoder_only(vae: Any) -> Any:
+    """``vae`` without its encoder and ``quant_conv``, which a decode step never runs: a torch-xla
+    trace then places only the decoder's weights on its devices (555 M of Wan 2.2's 705 M)."""
+    del vae.encoder, vae.quant_conv
+    return vae
 
 
 def vae_bill(collectives: list[dict[str, Any]], limit: int) -> dict[str, Any]:
@@ -261,21 +267,23 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     mesh = mesh_from_preset(req.mesh)
     dtype = torch_dtype(req.dtype)
-    vae = build_vae(req.kind, req.size, device="meta", dtype=dtype).to_empty(device="cpu")
+    vae = _decoder_only(build_vae(req.kind, req.size, device="meta", dtype=dtype)).to_empty(device="cpu")
     backend = XlaBackend(mesh)
     handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy, keep_host_weights=False)
     try:
         h, w = req.latent_hw()
         z = torch.zeros(1, vae.config.z_dim, 1, h, w, dtype=dtype).to(backend.device)
         spec = _cache_spec(handle, z.shape)
-        step, cache = handle.step_function("decode"), ()
+        step, lazy = handle.step_function("decode"), ()
         torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)  # scalars inlined, as torch-xla exports
         try:
             with torch.no_grad():
                 for _ in range(STEPS[req.step]):
-                    _, out = step(vae, z, *cache)  # lazy: shapes, nothing runs
-                    cache = tuple(_device_buffer(c.shape, c.dtype, backend, spec(c.ndim), xs) for c in out)
+                    lazy = step(vae, z, *lazy)[1]  # lazy: shapes, nothing runs
                     step = handle.step_function("decode", after=step)
+                shapes = [(c.shape, c.dtype) for c in lazy]
+                del lazy  # the steps before hold no tensor now: materialising the buffers runs nothing of theirs
+                cache = _device_buffers(shapes, backend, spec, xs) if shapes else ()
                 frame, out = step(vae, z, *cache)
             gspmd = xm.get_stablehlo([frame, *out])
         finally:
@@ -289,14 +297,21 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
         handle.remove()
 
 
-def _device_buffer(shape: tuple, dtype: Any, backend: Any, spec: tuple, xs: Any) -> Any:
-    """A fresh device tensor of ``shape`` split as ``spec``: a program input, not a value traced
-    from the steps before (zeros in its place would be a constant the compiler folds)."""
+def _device_buffers(shapes: list[tuple], backend: Any, spec: Any, xs: Any) -> tuple:
+    """Fresh device tensors of ``shapes``, each split as ``spec`` gives for its rank: the compiled
+    step's inputs, not values traced from the steps before (the lazy graphs of those are dropped
+    first, so materialising these runs nothing else). Zeros made on the devices, each its own
+    piece (a host tensor moved there would go whole to every device first)."""
     import torch
+    import torch_xla
 
-    t = torch.zeros(shape, dtype=dtype).to(backend.device)
-    xs.mark_sharding(t, backend.native_mesh, spec)
-    return t
+    buffers = []
+    for shape, dtype in shapes:
+        t = torch.zeros(shape, dtype=dtype, device=backend.device)
+        xs.mark_sharding(t, backend.native_mesh, spec(len(shape)))
+        buffers.append(t)
+    torch_xla.sync()  # now device data: program inputs (a lazy zero would be a constant the compiler folds)
+    return tuple(buffers)
 
 
 def _compile_traced(req: VaeCompileRequest, traced: dict[str, Any], out_dir: Path) -> dict[str, Any]:
