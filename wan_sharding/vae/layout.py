@@ -116,10 +116,11 @@ def plan_frame(height: int, width: int, mesh: MeshSpec, padding: str, unit: int,
     all-gather is smallest (:func:`halo_gather`, counted on the step's largest frame, ``scale`` times
     the input's: the decoder's output, the encoder's input), and each of H and W padded to a
     multiple of its shard count times ``unit`` (the rows one shard's piece must keep whole through
-    the model's downsamplers). The orientation matters most on a mesh whose axes differ: an
-    all-gather over the 8-long axis of 8x4 hands every chip 8 shards' boundary rows, so the dim
-    whose shards are short goes there. ``padding="none"`` takes only a way that needs no padding
-    and refuses the size when there is none."""
+    the model's downsamplers). The orientation matters on a mesh whose axes differ: an all-gather
+    over the 8-long axis of 8x4 hands every chip 8 shards' boundary rows, each as long as a shard's
+    extent along the other dim, so that axis carries the dim that gives it the shorter rows (W, for
+    a wide video frame). Ties keep H on the first axis. ``padding="none"`` takes only a way that
+    needs no padding and refuses the size when there is none."""
     if height % unit or width % unit:
         raise ShardingError(f"{what} {height}x{width} is not a multiple of {unit} (the VAE's spatial compression); "
                             f"use a size divisible by {unit}")
