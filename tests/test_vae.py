@@ -1,60 +1,90 @@
 """``shard_vae``: the Wan VAE split over H and W with a halo per conv, exact against the VAE's own
-decode and encode on every CPU mesh and both backends; its checks before any change; ``remove()``.
+decode and encode on every CPU mesh and both backends; the frame's orientation on the mesh; the
+compiled bill of a decode step; its checks before any change; ``remove()``.
 
-The PCC rows come from one worker per (backend, mesh) (``jobs/vae_check.py``, the path ``check
---component vae`` runs), each running its share of the matrix on tiny random-weight VAEs of the
-real structure: both VAEs (Wan 2.1 of A14B, Wan 2.2 of TI2V-5B), decode of 3 latent frames (the
-time cache carried over two steps) and encode of 5 video frames (two chunks), H or W the mesh does
-not divide (padded and masked) and sizes it does, fp32 and bf16. The rows are shared by the tests
-that read them (module scope). The in-process tests run on this process's 8 JAX CPU devices.
+The PCC rows come from the worker path ``check --component vae`` runs (``jobs/vae_check.py``):
+one JAX worker for its three meshes and one torch-xla worker, each running its share of the matrix
+on tiny random-weight VAEs of the real structure: both VAEs (Wan 2.1 of A14B, Wan 2.2 of TI2V-5B),
+decode of 3 latent frames (the time cache carried over two steps) and encode of 5 video frames (two
+chunks), H or W the mesh does not divide (padded and masked) and sizes it does, frames that lie
+either way round on the mesh, fp32 and bf16. Beside them, ``compile --component vae`` compiles the
+tiny Wan 2.2 VAE's decode steps at 480p on 8x4 through tt-mlir (the configuration whose bill
+failed before the orientation and the cut gathers). The rows are shared by the tests that read
+them (module scope). The in-process tests run on this process's 8 JAX CPU devices.
 """
 
 from __future__ import annotations
 
 import copy
-from concurrent.futures import ThreadPoolExecutor
+import json
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
 
 from wan_sharding import BackendError, ShardingError, shard_vae
-from wan_sharding.jobs.vae_check import VaeCase, run_in_subprocess
+from wan_sharding.compile import sysdesc
+from wan_sharding.jobs.vae_check import VaeCase, run_meshes
+from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import build_vae
-from wan_sharding.vae.layout import channel_specs, plan_frame, vae_specs
-from wan_sharding.vae.halo import FrameSplit
+from wan_sharding.vae.halo import exchange, gather_pieces
+from wan_sharding.vae.layout import channel_specs, frame_splits, halo_gather, plan_frame, vae_specs
 
 C = VaeCase.parse
-# Each worker's share. Latent H x W: 5x8 does not split over H on 2 or 8 (padded to 6 / 8), 4x8 and
-# 8x8 do; an encode's video is 16x (Wan 2.2) or 8x (Wan 2.1) that. The default suite runs JAX on
-# every mesh and torch-xla on 2x4, what the done-when names (both VAEs decoding on 2x4 and 8x4, a
-# padded frame among them) and one encode; the rest is `slow` (scripts/bench_vae.py runs `check
-# --component vae`, every case on every mesh and both backends, in full).
-MATRIX: dict[tuple[str, str], list[VaeCase]] = {
-    ("jax", "1x4"): [C("wan2.1:decode:3,4,8:fp32"), C("wan2.1:decode:1,4,8:fp32:halo:none")],
-    ("jax", "2x4"): [C("wan2.1:decode:3,5,8:fp32"), C("wan2.2:encode:2,4,8:bf16")],
-    ("jax", "8x4"): [C("wan2.1:decode:3,5,8:fp32"), C("wan2.2:decode:3,8,8:bf16")],
-    ("xla", "2x4"): [C("wan2.2:decode:3,5,8:fp32")],
-}
-SLOW_MATRIX: dict[tuple[str, str], list[VaeCase]] = {
-    ("jax", "2x4"): [C("wan2.2:decode:3,5,8:fp32")],
-    ("jax", "8x4"): [C("wan2.1:encode:2,5,8:fp32")],
-    ("xla", "1x4"): [C("wan2.1:decode:3,4,8:fp32")],
-    ("xla", "2x4"): [C("wan2.1:encode:2,5,8:bf16")],
-    ("xla", "8x4"): [C("wan2.1:decode:3,5,8:fp32"), C("wan2.2:decode:3,5,4:fp32")],
-}
+# One worker each, two at a time (the suite's machine has two cores, and a worker's traces and
+# compiles use one), in about equal shares: JAX runs several meshes in one process, torch-xla one
+# (its devices are the process's). Latent H x W: 5x8 does not split over H on 2 or 8 (padded to 6 /
+# 8), 4x8 and 4x16 do; 4x16 on 8x4 (a wide frame, as a video's latent) lies W on the 8-long axis,
+# 7x4 on 2x4 (tall, padded to 8) H on the 4-long one; an encode's video is 16x (Wan 2.2) or 8x
+# (Wan 2.1) that. The default suite runs what the done-when names (both VAEs decoding on 2x4 and
+# 8x4, a padded frame among them) and one encode; the rest is `slow` (scripts/bench_vae.py runs
+# `check --component vae`, every case on every mesh and both backends, in full).
+MATRIX: list[tuple[str, dict[str, list[VaeCase]]]] = [
+    ("jax", {"1x4": [C("wan2.1:decode:3,4,8:fp32"), C("wan2.1:decode:1,4,8:fp32:halo:none")],
+             "2x4": [C("wan2.1:decode:3,5,8:fp32"), C("wan2.2:encode:2,4,8:bf16")]}),
+    ("jax", {"8x4": [C("wan2.1:decode:3,5,8:fp32"), C("wan2.2:decode:3,4,16:fp32")]}),
+    ("xla", {"2x4": [C("wan2.2:decode:3,7,4:fp32")]}),
+]
+SLOW_MATRIX: list[tuple[str, dict[str, list[VaeCase]]]] = [
+    ("jax", {"2x4": [C("wan2.2:decode:3,5,8:fp32")], "8x4": [C("wan2.1:encode:2,5,8:fp32")]}),
+    ("xla", {"1x4": [C("wan2.1:decode:3,4,8:fp32")]}),
+    ("xla", {"2x4": [C("wan2.1:encode:2,5,8:bf16")]}),
+    ("xla", {"8x4": [C("wan2.1:decode:3,5,8:fp32"), C("wan2.2:decode:3,5,4:fp32")]}),
+]
+# `wan-sharding compile` as a user runs it: the tiny Wan 2.2 VAE at 480p on 8x4, both decode steps.
+COMPILE = ("compile", "--component", "vae", "--size", "tiny", "--vae-kind", "wan2.2", "--mesh", "8x4",
+           "--resolution", "480p", "--json")
 
 
-def _run_all(matrix: dict) -> dict:
-    """Every worker of ``matrix``, two at a time: a worker's compiles and traces use one core, and
-    the suite's machine has two."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {key: pool.submit(run_in_subprocess, *key, cases) for key, cases in matrix.items()}
-        return {key: f.result() for key, f in futures.items()}
+def _compile() -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "wan_sharding.cli", *COMPILE], capture_output=True, text=True,
+                          timeout=900)
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {"stderr": proc.stderr[-3000:]}
 
 
 @pytest.fixture(scope="module")
-def rows():
-    return _run_all(MATRIX)
+def jobs():
+    """Every worker of the default matrix and the compile, two at a time (the compile third: after
+    the shorter of the first two)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures: dict[str, Future] = {}
+        for i, (backend, share) in enumerate(MATRIX):
+            futures[f"{backend}-{i}"] = pool.submit(run_meshes, backend, share)
+            if i == 1 and sysdesc.installed_plugin_version() is not None:
+                futures["compile"] = pool.submit(_compile)
+        yield futures
+
+
+@pytest.fixture(scope="module")
+def rows(jobs) -> dict[tuple[str, str], list[dict]]:
+    out: dict[tuple[str, str], list[dict]] = {}
+    for name, future in jobs.items():
+        if name != "compile":
+            for r in future.result():
+                out.setdefault((r["backend"], r["mesh"]), []).append(r)
+    return out
 
 
 def _row(rows: dict, backend: str, mesh: str, case: VaeCase) -> dict:
@@ -66,7 +96,7 @@ def _graded(r: dict) -> None:
     assert r["halo_modules"] > 0 and r["split"].startswith("H/")
 
 
-CASES = [(b, m, c) for (b, m), cases in MATRIX.items() for c in cases if not c.exchange]
+CASES = [(b, m, c) for b, share in MATRIX for m, cases in share.items() for c in cases if not c.exchange]
 
 
 @pytest.mark.parametrize("backend,mesh,case", CASES, ids=[f"{b}-{m}-{c}" for b, m, c in CASES])
@@ -76,25 +106,29 @@ def test_sharded_vae_matches_the_vae_within_the_grade(rows, backend, mesh, case)
 
 @pytest.mark.slow
 def test_the_rest_of_the_matrix_matches_too():
-    for (backend, mesh), results in _run_all(SLOW_MATRIX).items():
-        for r in results:
-            _graded(r)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for future in [pool.submit(run_meshes, b, share) for b, share in SLOW_MATRIX]:
+            for r in future.result():
+                _graded(r)
 
 
 def test_the_matrix_covers_what_the_issue_asks(rows):
     """Both VAEs, decode and encode, padded and unpadded frames, fp32 and bf16, >= 3 latent frames,
-    every CPU mesh, both backends."""
+    every CPU mesh, both backends, both orientations of a frame on the mesh."""
     cases = [c for _, _, c in CASES]
     assert {c.vae for c in cases} == {"wan2.1", "wan2.2"} and {c.part for c in cases} == {"decode", "encode"}
     assert {c.dtype for c in cases} == {"fp32", "bf16"}
     assert all(c.shape[0] >= 3 for c in cases if c.part == "decode")
     assert {m for _, m, _ in CASES} == {"1x4", "2x4", "8x4"} and {b for b, _, _ in CASES} == {"jax", "xla"}
-    assert {m for b, m in SLOW_MATRIX if b == "xla"} == {"1x4", "2x4", "8x4"}  # torch-xla on every mesh, -m slow
+    assert {m for b, share in SLOW_MATRIX if b == "xla" for m in share} == {"1x4", "2x4", "8x4"}  # -m slow
     for mesh in ("2x4", "8x4"):  # the done-when: both VAEs decode on 2x4 and 8x4, a padded frame among them
         for vae in ("wan2.1", "wan2.2"):
             assert any(m == mesh and c.vae == vae and c.part == "decode" for _, m, c in CASES)
         found = [r for (b, m), rs in rows.items() if m == mesh for r in rs]
         assert any(r["frame"] != r["padded"] and r["part"] == "decode" and r["ok"] for r in found)
+    splits = {(r["mesh"], r["split"]) for rs in rows.values() for r in rs}
+    assert ("8x4", "H/4 on tp, W/8 on sp") in splits and ("8x4", "H/8 on sp, W/4 on tp") in splits
+    assert ("2x4", "H/4 on tp, W/2 on sp") in splits and ("2x4", "H/2 on sp, W/4 on tp") in splits
 
 
 def test_the_comparison_fails_without_the_halo(rows):
@@ -102,6 +136,67 @@ def test_the_comparison_fails_without_the_halo(rows):
     border, and the grade says so."""
     r = _row(rows, "jax", "1x4", C("wan2.1:decode:1,4,8:fp32:halo:none"))
     assert not r["ok"] and r["pcc"] < 0.999 and r["max_abs"] > 1e-2
+
+
+def test_no_collective_of_a_decode_step_moves_more_than_a_frame(jobs):
+    """The bill rule, on tt-mlir's own output: the tiny Wan 2.2 VAE at 480p on 8x4 (whose 8-long axis
+    carried H before, and whose later steps were refused: a ``dynamic_slice`` of the cache), both
+    the first step's program and the one every later latent frame reuses. W lies on the 8-long
+    axis; each collective is an all-gather of halo rows, none larger than the attention's frame
+    gather, which is one of them."""
+    if "compile" not in jobs:
+        pytest.skip("jax-tt-plugin is not installed")
+    code, report = jobs["compile"].result()
+    assert code == 0 and report["ok"] and report["bill_ok"], report
+    by_step = {r["request"]["step"]: r for r in report["reports"]}
+    assert set(by_step) == {"first", "steady"} and by_step["steady"]["reused_by_later_frames"]
+    for r in by_step.values():
+        assert r["frame_split"] == "H/4 on tp, W/8 on sp"
+        kinds = {c["kind"] for c in r["collectives"]} - {"mesh_partition"}
+        assert kinds == {"all_gather"}, kinds  # no point-to-point chain, no all-to-all
+        assert r["largest_collective_bytes"] == r["frame_limit_bytes"] == 32 * 32 * 56 * 2  # 30x52 padded, bf16
+        assert not r["bill_problems"] and r["halo_collectives"] == r["collective_count"] - 1
+
+
+# ---- the layout, as data --------------------------------------------------------------------------
+
+
+def test_a_frame_lies_the_way_its_halo_gathers_are_smallest():
+    """Per frame, from its shapes: H on one axis, W on the other, the way round whose larger halo
+    all-gather per channel (on the decoder's output, 8x the latent) is smaller."""
+    mesh = mesh_from_preset("8x4")
+    h_on_8, w_on_8 = frame_splits(mesh)
+    # Wan 2.2's 480p latent, 30x52: H/8 gathers 8 shards x 2 rows x 104 columns, W/8 gathers 8 x 2 x (64 + 2)
+    assert halo_gather(h_on_8, 4 * 8, 13 * 8) == 8 * 2 * 104 and halo_gather(w_on_8, 8 * 8, 7 * 8) == 8 * 2 * 66
+    frame = plan_frame(30, 52, mesh, "mask", 1, "latent", 8)
+    assert frame.split == w_on_8 and frame.padded == (32, 56)
+    assert plan_frame(60, 104, mesh, "mask", 1, "latent", 8).padded == (60, 104)  # Wan 2.1 480p: no padding now
+    assert plan_frame(30, 52, mesh_from_preset("2x4"), "mask", 1, "latent", 8).split.describe() == "H/2 on sp, W/4 on tp"
+    assert len(frame_splits(mesh_from_preset("8x8-dual-galaxy"))) == 1  # axes as long: one way only
+    # 8x20: W/8 pads 20 to 24 and still gathers less; padding="none" takes the way round that needs
+    # none, and refuses when neither way does
+    assert plan_frame(8, 20, mesh, "mask", 1, "latent", 8).split == w_on_8
+    assert plan_frame(8, 20, mesh, "none", 1, "latent", 8).split == h_on_8
+    with pytest.raises(ShardingError, match="padding='mask'"):
+        plan_frame(5, 20, mesh, "none", 1, "latent", 8)
+    video = plan_frame(704, 1280, mesh, "mask", 16, "video", 0.5)  # an encode: 44 x 80 units of 16 pixels
+    assert video.split == w_on_8 and video.padded == (704, 1280)
+
+
+def test_a_halo_gather_larger_than_the_frame_gather_is_cut_and_gives_the_same_rows():
+    """In the global view (no partitioner: the constraint is the identity): the pieces hand each
+    chip at most ``max_gather`` values and the extended shards are the same."""
+    x = torch.randn(12, 4, 3, 2, 5)  # (channels x frames, nh, h, nw, w)
+    spec = (None, "sp", None, "tp", None)
+    same = lambda t, s: t  # noqa: E731
+    ends = torch.cat([x.narrow(2, 2, 1), x.narrow(2, 0, 1)], 2)  # what the H exchange gathers
+    assert gather_pieces(ends, 1, spec, None) == 1
+    assert gather_pieces(ends, 1, spec, 12 * 4 * 2 * 5) == 1  # per chip: 12 x 4 shards x 2 rows x 5
+    assert gather_pieces(ends, 1, spec, 100) == 5 and gather_pieces(ends, 1, spec, 1) == 12  # at most one per lead row
+    whole = exchange(x, 1, "sp", 1, 1, spec, same)
+    assert torch.equal(exchange(x, 1, "sp", 1, 1, spec, same, max_gather=100), whole)
+    assert torch.equal(whole[:, 1:, 0], x[:, :-1, 2]) and torch.equal(whole[:, :-1, -1], x[:, 1:, 0])  # neighbours' rows
+    assert not whole[:, 0, 0].any() and not whole[:, -1, -1].any()  # the outermost: the conv's zero padding
 
 
 # ---- in this process (JAX, 8 CPU devices) ------------------------------------------------------
@@ -168,19 +263,9 @@ def test_bad_requests_are_refused_before_the_vae_is_changed():
     assert _same(_state(vae), before)
 
 
-def test_frames_are_padded_to_whole_shards_and_specs_are_data():
-    split = FrameSplit("sp", "tp", 8, 4)
-    frame = plan_frame(60, 104, split, "mask", 1, "latent")  # 480p: 60 rows do not divide by 8
-    assert frame.padded == (64, 104) and frame.logical_at(512, 832) == (480, 832)
-    assert plan_frame(704, 1280, split, "mask", 16, "video").padded == (768, 1280)
+def test_specs_are_data():
     meta = build_vae("wan2.2", "full", device="meta")
-    assert all(s == (None,) * len(s) for s in vae_specs(meta, _mesh("8x4")).by_name().values())
-    channels = channel_specs(meta, _mesh("8x4"))  # tt-xla's recipe: conv1 out, norm2, conv2 in, on the 8-axis
+    assert all(s == (None,) * len(s) for s in vae_specs(meta, mesh_from_preset("8x4")).by_name().values())
+    channels = channel_specs(meta, mesh_from_preset("8x4"))  # tt-xla's recipe: conv1 out, norm2, conv2 in, on the 8-axis
     assert channels["decoder.mid_block.resnets.0.conv1.weight"][0] == "sp"
     assert channels["decoder.mid_block.resnets.0.conv2.weight"][1] == "sp"
-
-
-def _mesh(name):
-    from wan_sharding.mesh import mesh_from_preset
-
-    return mesh_from_preset(name)

@@ -117,8 +117,8 @@ def _validate_compile(args: argparse.Namespace) -> None:
         args.resolution = args.resolution or "480p"
         check_vae_compile(args)
     else:
-        if args.vae_kind is not None or args.strategy is not None:
-            raise UsageError("--vae-kind and --strategy are the VAE's; use them with --component vae")
+        if args.vae_kind is not None or args.strategy is not None or args.step is not None:
+            raise UsageError("--vae-kind, --strategy and --step are the VAE's; use them with --component vae")
         text_encoder.validate_compile(args)
     apply_plan(args, binding_mesh(args, "8x4"))
     args.rank_binding = args.rank_binding or (args.plan.rank_binding if args.plan is not None else None) or None

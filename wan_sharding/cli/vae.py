@@ -39,7 +39,7 @@ def check_vae(args: argparse.Namespace, echo: bool | None = None) -> int:
     ``echo``: print the rows (default: unless ``--json``); the JSON document is printed only when
     the VAE is the command's component."""
     from ..jobs.pcc import PCC_THRESHOLDS, grade
-    from ..jobs.vae_check import VaeCase, run_in_subprocess
+    from ..jobs.vae_check import VaeCase, run_meshes
 
     if stack_missing(args.backends):
         return 1
@@ -49,9 +49,10 @@ def check_vae(args: argparse.Namespace, echo: bool | None = None) -> int:
     rows: list[dict[str, Any]] = []
     failed = False
     start = time.perf_counter()
+    meshes = list(args.meshes or ("1x4", "2x4", "8x4"))
     for backend in args.backends:
-        for mesh in args.meshes or ("1x4", "2x4", "8x4"):
-            for r in run_in_subprocess(backend, mesh, cases):
+        for group in ([meshes] if backend == "jax" else [[m] for m in meshes]):  # jax: one worker for all
+            for r in run_meshes(backend, {m: cases for m in group}):
                 failed |= not r["ok"]
                 rows.append(r)
                 if echo:
@@ -88,23 +89,25 @@ def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, 
     halo beside its alternatives, bill by bill. The report and the IRs it names go to ``out``;
     ``prune(cited)`` removes the rest (unless ``--keep-irs``) and returns the bytes freed."""
     from ..compile import CompileError
-    from ..compile.vae import VaeCompileRequest, compile_vae as run
+    from ..compile.vae import STEPS, VaeCompileRequest, compile_vae as run
     from ..options import settings_line
     from ..workers import atomic_write
 
     strategy = args.strategy or "halo"
     strategies = list(COMPILE_STRATEGIES) if strategy == "all" else [strategy]
+    steps = list(STEPS) if (args.step or "all") == "all" else [args.step]
     kind = args.vae_kind or "wan2.1"
     reqs = [VaeCompileRequest(kind=kind, mesh=args.mesh, resolution=args.resolution, strategy=s, dtype=args.dtype,
-                              frontend=args.frontend) for s in strategies]
+                              frontend=args.frontend, step=step, size=args.size) for step in steps for s in strategies]
     t0 = time.perf_counter()
     try:
         reports = run(reqs, args.arch, timeout=args.timeout, keep_irs=str(out / "irs"))
     except CompileError as e:
         print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return 2
+    halo = [r for r in reports if r["request"]["strategy"] == strategies[0]]  # the bill is the first strategy's
     report = {"component": "vae", "reports": reports, "wall_seconds": round(time.perf_counter() - t0, 2),
-              "ok": all(r.get("ok") for r in reports), "bill_ok": reports[0].get("bill_ok", False)}
+              "ok": all(r.get("ok") for r in reports), "bill_ok": all(r.get("bill_ok", False) for r in halo)}
     if not args.keep_irs:  # the TTNN IR each report names stays; the other dumps go
         cited = {f"{i}_{k}": v for i, r in enumerate(reports) for k, v in r.items() if k.endswith("_path")}
         report["removed_bytes"] = prune(cited)
@@ -114,7 +117,8 @@ def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, 
         print(json.dumps(report))
     else:
         print(settings_line(f"tt-mlir compile-only ({args.frontend} frontend)", (), None))
-        print(format_vae_reports(reports))
+        for step in steps:
+            print(format_vae_reports([r for r in reports if r["request"]["step"] == step]))
         print(f"report: {report['report_path']}, with " + ("every IR (--keep-irs)" if args.keep_irs
                                                             else "the IRs it names (--keep-irs: every one)"))
         print(f"(wall time with process start-up: {report['wall_seconds']:.0f} s)")
@@ -124,7 +128,7 @@ def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, 
 
 
 def format_vae_reports(reports: list[dict[str, Any]]) -> str:
-    """One line per strategy: the bill's figures side by side, then each refusal."""
+    """One line per strategy of one decode step: the bill's figures side by side, then each refusal."""
     from ..compile.ttnn_ir import format_bytes
 
     lines = [f"{'strategy':13} {'ok':3} {'collectives':>11} {'largest':>10} {'frame limit':>11} {'halo bytes':>10} "
@@ -140,8 +144,11 @@ def format_vae_reports(reports: list[dict[str, Any]]) -> str:
                      f"{format_bytes(r['collective_bytes']):>10} {r['runtime_ops']:>11}  "
                      f"{'ok' if r['bill_ok'] else 'OVER: ' + '; '.join(r['bill_problems'][:2])}")
     head = reports[0]["request"]
-    return (f"VAE {head['kind']} decode step, one latent frame at {head['resolution']} on {head['mesh']} ({head['dtype']}, "
-            f"{head['frontend']} frontend):\n" + "\n".join(lines))
+    which = {"first": "the first latent frame's", "steady": "the one every latent frame from the third reuses"}
+    split = next((r["frame_split"] for r in reports if r.get("frame_split")), None)
+    return (f"VAE {head['kind']} decode step ({which[head.get('step', 'first')]}) at {head['resolution']} on "
+            f"{head['mesh']} ({head['dtype']}, {head['frontend']} frontend{', ' + split if split else ''}):\n"
+            + "\n".join(lines))
 
 
 def add_vae_compile_args(c: argparse.ArgumentParser) -> None:
@@ -149,3 +156,6 @@ def add_vae_compile_args(c: argparse.ArgumentParser) -> None:
                    help="with --component vae: wan2.1 (A14B's VAE, default) or wan2.2 (TI2V-5B's)")
     c.add_argument("--strategy", choices=[*COMPILE_STRATEGIES, "all"], default=None,
                    help="with --component vae: the package's halo (default), an alternative, or all side by side")
+    c.add_argument("--step", choices=["first", "steady", "all"], default=None,
+                   help="with --component vae: the decode step compiled: first (the first latent frame's program), "
+                        "steady (the one every frame from the third reuses: a full cache), or all (default)")

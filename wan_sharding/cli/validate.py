@@ -469,10 +469,10 @@ def check_vae_compile(args: argparse.Namespace) -> None:
     if (args.latent is not None or args.plan is not None or args.cfg == 2 or args.patches or args.rank_binding
             or args.variant is not None or args.blocks is not None):
         raise UsageError("--latent, --plan, --cfg, --patches, --rank-binding, --variant and --blocks are DiT options; "
-                         "with --component vae give --mesh, --resolution, --frontend, --vae-kind and --strategy")
+                         "with --component vae give --mesh, --resolution, --frontend, --vae-kind, --strategy and --step")
     if args.tokens is not None or args.vocab is not None:
         raise UsageError("--tokens and --vocab are the text encoder's; with --component vae give --mesh, --resolution, "
-                         "--frontend, --vae-kind and --strategy")
+                         "--frontend, --vae-kind, --strategy and --step")
 
 
 def check_vae_request(args: argparse.Namespace) -> None:

@@ -2,12 +2,15 @@
 compiler, and its collective bill.
 
 The VAE is built at its real config on the ``meta`` device (weights are shape stand-ins), sharded
-with ``shard_vae`` on the tt devices of a system descriptor, and the first latent frame's decode
-step (:mod:`wan_sharding.vae.programs`: what ``handle.decode`` runs for a one-frame latent) is
-lowered through torchax and compiled by ``jax-tt-plugin``. The TTNN module is read with the one
-TTNN parser (:mod:`.ttnn_ir`); the bill rule for a decode step (``vae_bill``): no collective may move
-more than one latent-resolution frame (the mid-block attention's gather); every other collective
-is a halo (a few boundary rows).
+with ``shard_vae`` on the tt devices of a system descriptor, and one of a decode's step programs
+(:mod:`wan_sharding.vae.programs`) is lowered through torchax and compiled by ``jax-tt-plugin``:
+``first``, the first latent frame's (what ``handle.decode`` runs for a one-frame latent), or
+``steady``, the third's, which every later latent frame reuses: its cache holds two frames and its
+upsampled stages four frames per latent frame, so its halos are the largest of a decode (the
+steps before it are traced for their cache's shapes, not compiled). The TTNN module is read with
+the one TTNN parser (:mod:`.ttnn_ir`); the bill rule for a decode step (``vae_bill``): no collective
+may move more than one latent-resolution frame (the mid-block attention's gather); every other
+collective is a halo (a few boundary rows).
 
 The worker (``python -m wan_sharding.compile.vae``) runs in its own process with the descriptor
 set before JAX starts, as the DiT's compile worker does (:mod:`.runner`).
@@ -17,16 +20,20 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..mesh import mesh_from_preset
 from ..models import vae_config
+from ..vae.layout import plan_frame, widest_scale
 from .request import CompileError
 
 # The video frames of the two resolutions (height, width), as the Wan 2.2 pipelines make them.
 PIXELS = {"480p": (480, 832), "720p": (720, 1280)}
+# The decode steps a compile can take, by the index of the latent frame whose program it is:
+# the first (no cache yet) and the third (a full cache: the program every later frame reuses).
+STEPS = {"first": 0, "steady": 2}
 # The collective kinds of a TTNN module (``ttnn_ir.Collective.kind``) that a halo exchange may use.
 HALO_KINDS = ("all_gather", "point_to_point")
 # Kinds the parser lists beside the collectives that move nothing between chips: ``mesh_partition``
@@ -45,6 +52,8 @@ class VaeCompileRequest:
     strategy: str = "halo"
     dtype: str = "bf16"
     frontend: str = "torchax"  # or "torch-xla": traced lazily with real (uninitialised) weights
+    step: str = "first"  # or "steady" (STEPS)
+    size: str = "full"  # or "tiny": the tests' VAE of the same structure, at the same frame
 
     def latent_hw(self) -> tuple[int, int]:
         """The latent frame of the resolution's video for this VAE (8x or 16x spatial compression)."""
@@ -53,17 +62,53 @@ class VaeCompileRequest:
         return h // scale, w // scale
 
     def label(self) -> str:
-        return f"vae {self.kind} {self.mesh} {self.resolution} {self.strategy} {self.frontend}"
+        return f"vae {self.kind} {self.mesh} {self.resolution} {self.strategy} {self.frontend} {self.step}"
 
 
 def frame_bytes(req: VaeCompileRequest) -> int:
     """Bytes of one latent-resolution frame at the mid block's width, as it lies on the mesh (H and W
-    padded to whole shards): what the mid-block attention gathers."""
-    cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(req.kind, "full")}
+    padded to whole shards, in the orientation the handle picks for it): what the mid-block
+    attention gathers."""
+    cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(req.kind, req.size)}
     base = cfg["decoder_base_dim"] or cfg["base_dim"]
-    mesh = mesh_from_preset(req.mesh)
-    h, w = (-(-size // n) * n for size, n in zip(req.latent_hw(), mesh.shape))
+    frame = plan_frame(*req.latent_hw(), mesh_from_preset(req.mesh), "mask", 1, "latent frame",
+                       widest_scale(cfg, "decode"))
+    h, w = frame.padded
     return base * cfg["dim_mult"][-1] * h * w * (2 if req.dtype == "bf16" else 4)
+
+
+def xla_trace_bytes(req: VaeCompileRequest) -> int:
+    """Host bytes a torch-xla trace of one decode step holds: the decoder's weights (:func:`_decoder_only`)
+    as real buffers once per virtual CPU device, and 70 % more for the step's cache and activations
+    (measured peak: 14.3 GB for Wan 2.2's steady step on 2x4 at 720p, whose weights alone count 8.3 GiB).
+    Wan 2.2's 555 M bf16 decoder parameters on 8x4: 56 GiB."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):  # shapes only; built as is (a cast here would log diffusers' fp32 notice)
+        vae = _decoder_only(AutoencoderKLWan(**vae_config(req.kind, req.size)))
+    per_copy = sum(p.numel() for p in vae.parameters()) * (2 if req.dtype == "bf16" else 4)
+    return per_copy * mesh_from_preset(req.mesh).num_devices * 17 // 10
+
+
+def check_vae_request(req: VaeCompileRequest) -> None:
+    """What a compile request can be refused for before any worker starts: a torch-xla trace that
+    would not fit this host's memory (CompileError naming the way out)."""
+    from .request import host_memory_bytes
+
+    if req.frontend == "torch-xla" and xla_trace_bytes(req) > host_memory_bytes() * 3 // 4:
+        raise CompileError(
+            f"the torch-xla frontend holds the VAE decoder's weights once per virtual device "
+            f"({mesh_from_preset(req.mesh).num_devices}) in host memory: about {xla_trace_bytes(req) / 2**30:.0f} GiB "
+            f"for {req.kind} on {req.mesh}, more than 3/4 of this host's {host_memory_bytes() / 2**30:.0f} GiB; "
+            "use --frontend torchax (abstract weights: the same program) or a smaller --mesh")
+
+
+def _decoder_only(vae: Any) -> Any:
+    """``vae`` without its encoder and ``quant_conv``, which a decode step never runs: a torch-xla
+    trace then places only the decoder's weights on its devices (555 M of Wan 2.2's 705 M)."""
+    del vae.encoder, vae.quant_conv
+    return vae
 
 
 def vae_bill(collectives: list[dict[str, Any]], limit: int) -> dict[str, Any]:
@@ -96,6 +141,8 @@ def compile_vae(requests: list[VaeCompileRequest], arch: str = "wormhole_b0", ti
     from .runner import check_plugin, prepare_descriptor, trace_env, worker_env
     from .ttnn_ir import TTNNModule
 
+    for req in requests:
+        check_vae_request(req)
     check_plugin()
     chips = max(mesh_from_preset(r.mesh).num_devices for r in requests)
     with scratch.folder(None, "vae-compile-") as work_dir:  # the worker runner gives each worker its TMPDIR
@@ -127,7 +174,10 @@ def compile_vae(requests: list[VaeCompileRequest], arch: str = "wormhole_b0", ti
 # ---- worker side --------------------------------------------------------------------------------
 
 
-def _compile_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
+def _compile_steps(reqs: list[VaeCompileRequest], out_dirs: list[Path]) -> list[dict[str, Any]]:
+    """Requests that differ only in their ``step`` (torchax): one sharded VAE, the decode's steps
+    traced once in order (a step no request asks for only for its cache's shapes), each asked-for
+    one lowered and compiled. A result per request, in order."""
     import jax
     import jax.numpy as jnp
     import torchax
@@ -139,45 +189,84 @@ def _compile_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
     from ..vae import shard_vae
 
     t0 = time.perf_counter()
+    req = reqs[0]
     mesh = mesh_from_preset(req.mesh)
     backend = JaxBackend(mesh, devices=list(jax.devices()[: mesh.num_devices]))
-    vae = build_vae(req.kind, "full", device="meta", dtype=torch_dtype(req.dtype))
+    vae = build_vae(req.kind, req.size, device="meta", dtype=torch_dtype(req.dtype))
     handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy)
     try:
-        step = handle.first_step("decode")
         env = torchax.default_env()
 
-        def program(state: dict, z: Any) -> Any:
-            state, z = env.j2t_iso((state, z))
-            with env, _reparametrize_module(vae, state):
-                return env.t2j_iso(step(vae, z)[0])  # the frame (the cache outputs are not needed here)
+        def program(step: Any) -> Any:
+            def run(state: dict, z: Any, *cache: Any) -> Any:
+                state, z, cache = env.j2t_iso((state, z, cache))
+                with env, _reparametrize_module(vae, state):
+                    return env.t2j_iso(step(vae, z, *cache))  # the frame and the cache, as the step returns them
+            return run
 
         h, w = req.latent_hw()
         act = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[req.dtype]
         z = jax.ShapeDtypeStruct((1, vae.config.z_dim, 1, h, w), act, sharding=backend.sharding(()))
-        lowered = jax.jit(program).lower(handle.placed, z)
-        t1 = time.perf_counter()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        result: dict[str, Any] = {"out_dir": str(out_dir), "lower_seconds": round(t1 - t0, 2),
-                                  "halo_modules": len(handle.hooks.halo_modules)}
-        try:
-            lowered.compile(compiler_options={"export_path": str(out_dir)})
-            result["ok"] = True
-        except Exception as e:  # tt-mlir's refusal, as the plugin raises it
-            result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
-        result["compile_seconds"] = round(time.perf_counter() - t1, 2)
-        return _with_ttnn(result, out_dir)
+        spec = _cache_spec(handle, z.shape)
+        wanted = {STEPS[r.step]: (r, d) for r, d in zip(reqs, out_dirs)}
+        results: dict[int, dict[str, Any]] = {}
+        step, cache = handle.step_function("decode"), ()
+        for index in range(max(wanted) + 1):
+            if index in wanted:
+                lowered = jax.jit(program(step)).lower(handle.placed, z, *cache)
+                results[index] = _compiled(lowered, wanted[index][1], time.perf_counter() - t0,
+                                           _step_facts(handle, step, z.shape))
+                out = lowered.out_info[1]
+            else:
+                _, out = jax.eval_shape(program(step), handle.placed, z, *cache)
+            cache = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=backend.sharding(spec(len(c.shape))))
+                          for c in out)
+            step = handle.step_function("decode", after=step)
+        return [results[STEPS[r.step]] for r in reqs]
     finally:
         handle.remove()
 
 
+def _compiled(lowered: Any, out_dir: Path, lower_seconds: float, facts: dict[str, Any]) -> dict[str, Any]:
+    """``lowered`` compiled by tt-mlir with its IRs exported under ``out_dir``; the result."""
+    t1 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"out_dir": str(out_dir), "lower_seconds": round(lower_seconds, 2), **facts}
+    try:
+        lowered.compile(compiler_options={"export_path": str(out_dir)})
+        result["ok"] = True
+    except Exception as e:  # tt-mlir's refusal, as the plugin raises it
+        result.update(ok=False, error=f"{type(e).__name__}: {e}"[:8000])
+    result["compile_seconds"] = round(time.perf_counter() - t1, 2)
+    return _with_ttnn(result, out_dir)
+
+
+def _cache_spec(handle: Any, z_shape: tuple) -> Any:
+    """The spec of a step's cache tensors by rank: split like the frame (replicated when the frame
+    stays whole)."""
+    split = handle.plan_decode(tuple(z_shape)).split
+    return (lambda ndim: split.frame_spec(ndim)) if split is not None else (lambda ndim: (None,) * ndim)
+
+
+def _step_facts(handle: Any, step: Any, z_shape: tuple) -> dict[str, Any]:
+    """What the compiled step is: its halo'd modules, how the frame lies on the mesh, and whether
+    its cache leaves the same structure it came with (the program every later frame reuses)."""
+    split = handle.plan_decode(tuple(z_shape)).split
+    key = handle.steps._keys[step]
+    return {"halo_modules": len(handle.hooks.halo_modules), "frame_split": split.describe() if split else None,
+            "reused_by_later_frames": handle.steps.next_pattern(step) == key[1] and not key[2]}
+
+
 def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
-    """The torch-xla frontend: the first decode step traced lazily with torch-xla SPMD on CPU
-    devices (uninitialised weights: a compile reads shapes, never values), its GSPMD module
-    converted to Shardy as Tenstorrent's torch-xla does, written for the compile worker."""
+    """The torch-xla frontend: the decode step traced lazily with torch-xla SPMD on CPU devices
+    (uninitialised weights: a compile reads shapes, never values), its GSPMD module converted to
+    Shardy as Tenstorrent's torch-xla does, written for the compile worker. The steps before a
+    ``steady`` step are traced for their cache's shapes only; the compiled step takes fresh device
+    buffers of those shapes, so its graph holds that step alone."""
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
 
     from .. import workers
     from ..backends.xla import XlaBackend, enable_spmd
@@ -190,33 +279,58 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     mesh = mesh_from_preset(req.mesh)
     dtype = torch_dtype(req.dtype)
-    vae = build_vae(req.kind, "full", device="meta", dtype=dtype).to_empty(device="cpu")
+    vae = _decoder_only(build_vae(req.kind, req.size, device="meta", dtype=dtype)).to_empty(device="cpu")
     backend = XlaBackend(mesh)
     handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy, keep_host_weights=False)
     try:
-        step = handle.first_step("decode")
         h, w = req.latent_hw()
         z = torch.zeros(1, vae.config.z_dim, 1, h, w, dtype=dtype).to(backend.device)
+        spec = _cache_spec(handle, z.shape)
+        step, lazy = handle.step_function("decode"), ()
         torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)  # scalars inlined, as torch-xla exports
         try:
             with torch.no_grad():
-                out = step(vae, z)[0]
-            gspmd = xm.get_stablehlo([out])
+                for _ in range(STEPS[req.step]):
+                    lazy = step(vae, z, *lazy)[1]  # lazy: shapes, nothing runs
+                    step = handle.step_function("decode", after=step)
+                shapes = [(c.shape, c.dtype) for c in lazy]
+                del lazy  # the steps before hold no tensor now: materialising the buffers runs nothing of theirs
+                cache = _device_buffers(shapes, backend, spec, xs) if shapes else ()
+                frame, out = step(vae, z, *cache)
+            gspmd = xm.get_stablehlo([frame, *out])
         finally:
             torch_xla._XLAC._set_xla_all_numbers_special_scalars(False)
         shardy = gspmd_to_shardy(gspmd, mesh.shape, mesh.axis_names)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = workers.atomic_write(out_dir / "stablehlo_shardy.mlir", shardy)
-        return {"ok": True, "stablehlo_path": str(path), "trace_seconds": round(time.perf_counter() - t0, 2)}
+        return {"ok": True, "stablehlo_path": str(path), "trace_seconds": round(time.perf_counter() - t0, 2),
+                **_step_facts(handle, step, tuple(z.shape))}
     finally:
         handle.remove()
+
+
+def _device_buffers(shapes: list[tuple], backend: Any, spec: Any, xs: Any) -> tuple:
+    """Fresh device tensors of ``shapes``, each split as ``spec`` gives for its rank: the compiled
+    step's inputs, not values traced from the steps before (the lazy graphs of those are dropped
+    first, so materialising these runs nothing else). Zeros made on the devices, each its own
+    piece (a host tensor moved there would go whole to every device first)."""
+    import torch
+    import torch_xla
+
+    buffers = []
+    for shape, dtype in shapes:
+        t = torch.zeros(shape, dtype=dtype, device=backend.device)
+        xs.mark_sharding(t, backend.native_mesh, spec(len(shape)))
+        buffers.append(t)
+    torch_xla.sync()  # now device data: program inputs (a lazy zero would be a constant the compiler folds)
+    return tuple(buffers)
 
 
 def _compile_traced(req: VaeCompileRequest, traced: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from .tt_client import compile_stablehlo_text
 
     result: dict[str, Any] = {"out_dir": str(out_dir), "lower_seconds": traced.get("trace_seconds"),
-                              "halo_modules": None}
+                              **{k: traced.get(k) for k in ("halo_modules", "frame_split", "reused_by_later_frames")}}
     if not traced.get("ok"):
         return {**result, "ok": False, "error": traced.get("error")}
     t1 = time.perf_counter()
@@ -240,7 +354,7 @@ def _with_ttnn(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 def _job(params: dict[str, Any]):
     out_root = Path(params["out_root"])
-    name = lambda i, r: out_root / f"{i}-{r.kind}-{r.mesh}-{r.resolution}-{r.strategy}-{r.frontend}"  # noqa: E731
+    name = lambda i, r: out_root / f"{i}-{r.kind}-{r.mesh}-{r.resolution}-{r.strategy}-{r.frontend}-{r.step}"  # noqa: E731
     if params["stage"] == "trace":  # torch-xla on CPU devices: no JAX, no plugin here
         for i in params["only"]:
             req = VaeCompileRequest(**{k: v for k, v in params["requests"][i].items() if k != "traced"})
@@ -254,14 +368,23 @@ def _job(params: dict[str, Any]):
     devices = jax.devices()
     if devices[0].platform != "tt":
         raise CompileError(f"JAX platform is {devices[0].platform!r}, not 'tt': TT_COMPILE_ONLY_SYSTEM_DESC was not honoured")
-    for i, raw in enumerate(params["requests"]):
-        traced = raw.get("traced")
-        req = VaeCompileRequest(**{k: v for k, v in raw.items() if k != "traced"})
+    reqs = [VaeCompileRequest(**{k: v for k, v in raw.items() if k != "traced"}) for raw in params["requests"]]
+    i = 0
+    while i < len(reqs):
+        traced = params["requests"][i].get("traced")
+        # torchax: the next requests that differ only in their step share one trace of the decode
+        j = i + 1
+        while (traced is None and j < len(reqs) and params["requests"][j].get("traced") is None
+               and replace(reqs[j], step=reqs[i].step) == reqs[i] and reqs[j].step not in {r.step for r in reqs[i:j]}):
+            j += 1
         try:
-            yield (_compile_traced(req, traced, name(i, req)) if traced is not None
-                   else _compile_one(req, name(i, req)))
-        except Exception as e:  # a setup error: reported, the next request goes on
-            yield {"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}
+            if traced is not None:
+                yield _compile_traced(reqs[i], traced, name(i, reqs[i]))
+            else:
+                yield from _compile_steps(reqs[i:j], [name(k, reqs[k]) for k in range(i, j)])
+        except Exception as e:  # a setup error: reported, the next requests go on
+            yield from [{"ok": False, "error": f"{type(e).__name__}: {e}"[:8000]}] * (j - i)
+        i = j
 
 
 if __name__ == "__main__":

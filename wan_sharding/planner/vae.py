@@ -8,8 +8,10 @@ peak and matmul efficiency, the fabric's collective cost) applied to counted wor
   ``meta`` device (no weights, no compute): the first latent frame's decode and each later one's
   (``decode_flops``). Wan 2.1 VAE, 480p, 81 frames: 275.4 TFLOP.
 - **VAE halo**: per decode step, every 3x3 conv exchanges one row per side with its neighbours on
-  both axes (two all-gathers of the boundary rows) and the mid-block attention gathers one latent
-  frame; costed with :func:`.hardware.collective_seconds` on the mesh's own axes.
+  both axes (two all-gathers of the boundary rows of every frame it convolves, cut as
+  ``shard_vae`` cuts them) and the mid-block attention gathers one latent frame; the frame split
+  as ``shard_vae`` lays it; costed with :func:`.hardware.collective_seconds` on the mesh's own
+  axes.
 - **Denoising**: the planner's stage-1 estimate of the best preset roles per DiT forward
   (:func:`.analytic.estimate`), times two forwards (CFG) per step, times the steps.
 - **Text encoder**: UMT5-XXL's encoder (24 layers, d_model 4096, d_ff 10240, 512 tokens, prompt and
@@ -73,35 +75,39 @@ def video_flops(kind: str, resolution: str, frames: int = FRAMES) -> float:
 
 
 @lru_cache(maxsize=8)
-def _decoder_shapes(kind: str, resolution: str) -> tuple[list[tuple[int, int, int]], int, int]:
-    """Every halo'd conv's input (channels, height, width) in one steady decode step, the step's
-    largest activation in elements, and its time-cache elements; from a ``meta`` run with hooks."""
+def _decoder_shapes(kind: str, resolution: str) -> tuple[list[tuple[int, int]], int, int]:
+    """Every halo'd conv of one steady decode step (the program every latent frame from the third
+    runs) as (values per row and column of its input: channels x the frames it convolves, its
+    scale over the latent frame), the step's largest activation in elements, and its time-cache
+    elements; from a ``meta`` run with hooks. A causal conv convolves its input's frames plus two
+    (the cached ones, or the causal zero pad); an upsampler's 2-D conv each frame."""
     import torch
 
     from ..models import build_vae
 
     vae = build_vae(kind, "full", device="meta", dtype=torch.bfloat16)
     h, w = latent_hw(kind, resolution)
-    convs: list[tuple[int, int, int]] = []
+    convs: list[tuple[int, int]] = []
     largest = [0]
 
     def seen(mod, args):
         x = args[0]
         largest[0] = max(largest[0], x.numel())
-        if isinstance(mod, torch.nn.Conv3d) and mod.kernel_size[1] == 3 or \
-                isinstance(mod, torch.nn.Conv2d) and mod.kernel_size[0] == 3:
-            convs.append((x.shape[1], x.shape[-2], x.shape[-1]))
+        if isinstance(mod, torch.nn.Conv3d) and mod.kernel_size[1] == 3:
+            convs.append((x.shape[1] * (x.shape[2] + mod.kernel_size[0] - 1), x.shape[-2] // h))
+        elif isinstance(mod, torch.nn.Conv2d) and mod.kernel_size[0] == 3:
+            convs.append((x.shape[0] * x.shape[1], x.shape[-2] // h))
 
     handles = [m.register_forward_pre_hook(seen) for m in vae.decoder.modules()
                if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
-    z = torch.empty(1, vae.config.z_dim, 2, h, w, device="meta", dtype=torch.bfloat16)
+    z = torch.empty(1, vae.config.z_dim, 3, h, w, device="meta", dtype=torch.bfloat16)
     with torch.no_grad():
         vae.clear_cache()
         x = vae.post_quant_conv(z)
-        vae.decoder(x[:, :, :1], feat_cache=vae._feat_map, feat_idx=[0], first_chunk=True)
-        convs.clear()
-        largest[0] = 0
-        vae.decoder(x[:, :, 1:], feat_cache=vae._feat_map, feat_idx=[0])
+        for i in range(3):  # the third step's shapes: the cache is full
+            convs.clear()
+            largest[0] = 0
+            vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=[0], first_chunk=i == 0)
         cache = sum(c.numel() for c in vae._feat_map if isinstance(c, torch.Tensor))
     for handle in handles:
         handle.remove()
@@ -164,28 +170,32 @@ def _mesh_tflops(arch: str, chips: int) -> float:
 
 def vae_stage(kind: str, mesh: str, arch: str, resolution: str, frames: int = FRAMES) -> StageEstimate:
     """The VAE decode of one video on ``mesh``: FLOPs over the mesh, plus each step's halo
-    all-gathers and the mid-block attention's frame gather, on the mesh's own axes."""
+    all-gathers and the mid-block attention's frame gather, on the mesh's own axes, with the frame
+    split and padded as ``shard_vae`` lays it (:func:`~wan_sharding.vae.layout.plan_frame`) and
+    each halo gather cut as it cuts them (no piece larger than the frame gather)."""
+    from ..models import vae_config
+    from ..vae.layout import plan_frame, widest_scale
+
     spec = mesh_from_preset(mesh)
     fabric = fabric_for(arch, spec.shape)
     flops = video_flops(kind, resolution, frames)
     convs, _, _ = _decoder_shapes(kind, resolution)
-    steps = 1 + (frames - 1) // 4
-    comm = 0.0
-    for axis, n in enumerate(spec.shape):
-        if n < 2:
-            continue
-        other = spec.shape[1 - axis]
-        for c, h, w in convs:  # two boundary rows (3 time frames: cache + frame) of each shard, gathered
-            row = (w // other if axis == 0 else h // other) * c * 3 * 2 * BF16
-            comm += collective_seconds("all_gather", row, n, fabric.axis(axis), fabric).seconds
-    h, w = latent_hw(kind, resolution)
-    from ..models import vae_config
-
     cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(kind, "full")}
-    frame = (cfg["decoder_base_dim"] or cfg["base_dim"]) * cfg["dim_mult"][-1] * h * w * BF16
-    for axis, n in enumerate(spec.shape):
+    frame = plan_frame(*latent_hw(kind, resolution), spec, "mask", 1, "latent frame", widest_scale(cfg, "decode"))
+    split, (ph, pw) = frame.split, frame.padded
+    limit = (cfg["decoder_base_dim"] or cfg["base_dim"]) * cfg["dim_mult"][-1] * ph * pw * BF16
+    axis = {name: fabric.axis(i) for i, name in enumerate(spec.axis_names)}
+    comm = 0.0
+    for lead, s in convs:  # each shard's boundary rows, then its H-extended boundary columns
+        for n, name, payload in ((split.nh, split.h_axis, 2 * pw // split.nw * s * lead * BF16),
+                                 (split.nw, split.w_axis, 2 * (ph // split.nh * s + 2) * lead * BF16)):
+            if n > 1:
+                pieces = -(-n * payload // limit)
+                comm += pieces * collective_seconds("all_gather", payload / pieces, n, axis[name], fabric).seconds
+    for i, n in enumerate(spec.shape):
         if n > 1:
-            comm += collective_seconds("all_gather", frame / spec.num_devices, n, fabric.axis(axis), fabric).seconds
+            comm += collective_seconds("all_gather", limit / spec.num_devices, n, fabric.axis(i), fabric).seconds
+    steps = 1 + (frames - 1) // 4
     return StageEstimate("vae", flops / _mesh_tflops(arch, spec.num_devices), comm * steps, flops)
 
 

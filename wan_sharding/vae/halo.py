@@ -11,6 +11,12 @@ every partitioner keeps local, plus one collective per split dim:
    takes shard ``p-1``'s last rows and shard ``p+1``'s first; the outermost get zeros, the conv's
    own zero padding), constrained back to one piece per shard (a local slice) and concatenated
    onto each shard's rows. H first, then W on the H-extended rows, so the corners come along.
+   The all-gather hands every chip of the axis every shard's boundary rows (``n x 2`` rows on an
+   ``n``-long axis, where a chip needs its two neighbours'): tt-mlir takes no gather over part of
+   an axis, and lowers the neighbour-only forms to serial point-to-point chains (``docs/vae.md``).
+   Given ``max_gather`` (the handle passes the values of the mid-block attention's frame gather,
+   the one collective a step needs the size of a frame), a larger gather is cut into pieces along
+   the leading channels x frames dim: the same bytes, no piece larger than that frame.
 2. ``fold``: the ``nh x nw`` shards move into the batch dim: ``(nh*nw*B, ..., h+lo+hi, w+lo+hi)``
    split over both axes on dim 0. The conv then runs with padding 0 on H and W, which is a
    batch-parallel op for any partitioner.
@@ -60,6 +66,9 @@ class FrameSplit:
         """The spec of a folded ``(nh*nw*B, ...)`` tensor: the shards on dim 0."""
         return ((self.h_axis, self.w_axis),) + (None,) * (ndim - 1)
 
+    def describe(self) -> str:
+        return f"H/{self.nh} on {self.h_axis}, W/{self.nw} on {self.w_axis}"
+
 
 def mask_logical(x: torch.Tensor, logical_h: int, logical_w: int) -> torch.Tensor:
     """``x`` with every row at or past ``logical_h`` and column at or past ``logical_w`` zeroed
@@ -107,10 +116,23 @@ def _select(rows: torch.Tensor, dim: int, step: int, spec: tuple, constrain: Con
     return (rows.unsqueeze(dim) * select).sum(dim + 1)
 
 
+def gather_pieces(rows: torch.Tensor, dim: int, spec: tuple, max_gather: int | None) -> int:
+    """How many all-gathers the boundary ``rows`` (shard dim ``dim``) move in: one, or as many as keep
+    each one's gathered copy (what it hands each chip: every shard of ``dim``'s axis) within
+    ``max_gather`` values, cut along the leading dim (channels x frames)."""
+    if max_gather is None:
+        return 1
+    others = math.prod(rows.shape[d] for d, axis in enumerate(spec) if axis is not None and d != dim)
+    per_chip = rows.numel() // others
+    return max(1, min(rows.shape[0], -(-per_chip // max_gather)))
+
+
 def exchange(x: torch.Tensor, dim: int, axis: str, lo: int, hi: int, spec: tuple, constrain: Constrain,
-             mode: str = "gather") -> torch.Tensor:
+             mode: str = "gather", max_gather: int | None = None) -> torch.Tensor:
     """Extend every shard along rows dim ``dim + 1`` by ``lo`` rows of the previous shard and ``hi``
-    of the next one; ``dim`` is the shard dim (split over ``axis``), ``spec`` ``x``'s spec."""
+    of the next one; ``dim`` is the shard dim (split over ``axis``), ``spec`` ``x``'s spec. With
+    ``max_gather``, the gather is cut into pieces along dim 0 (:func:`gather_pieces`), one
+    all-gather each: the same bytes, none of them larger than that."""
     if not lo and not hi:
         return x
     s = x.shape[dim + 1]
@@ -122,8 +144,11 @@ def exchange(x: torch.Tensor, dim: int, axis: str, lo: int, hi: int, spec: tuple
     ends = [x.narrow(dim + 1, s - lo, lo)] if lo else []
     ends += [x.narrow(dim + 1, 0, hi)] if hi else []
     rows = constrain(torch.cat(ends, dim + 1) if len(ends) > 1 else ends[0], spec)  # one collective for both ends
-    # gather: the shift runs on a replicated copy (after one all-gather); permute: on the split rows
+    # gather: the shift runs on a replicated copy (after the all-gathers); permute: on the split rows
     shift_spec = _with(spec, dim, None) if mode == "gather" else spec
+    pieces = gather_pieces(rows, dim, spec, max_gather) if mode == "gather" else 1
+    if pieces > 1:  # each piece pinned split, then replicated: one all-gather each
+        rows = torch.cat([constrain(constrain(c, spec), shift_spec) for c in rows.tensor_split(pieces, 0)], 0)
     rows = constrain(rows, shift_spec)
     move = _select if mode == "gather" else _shift
     parts = []
@@ -136,9 +161,10 @@ def exchange(x: torch.Tensor, dim: int, axis: str, lo: int, hi: int, spec: tuple
 
 
 def fold(x: torch.Tensor, split: FrameSplit, constrain: Constrain, halo: tuple[int, int] = (0, 0),
-         mode: str = "gather") -> torch.Tensor:
+         mode: str = "gather", max_gather: int | None = None) -> torch.Tensor:
     """``(B, *rest, H, W)`` split over the mesh -> ``(nh*nw*B, *rest, h + lo + hi, w + lo + hi)``
-    with each shard's halo of ``halo = (lo, hi)`` rows and columns; the shards on dim 0.
+    with each shard's halo of ``halo = (lo, hi)`` rows and columns (no all-gather larger than
+    ``max_gather`` values per chip, :func:`exchange`); the shards on dim 0.
 
     The unsplit leading dims travel as one (``B * prod(rest)``), so no value has more than five
     dims: torch-xla 2.9 builds a wrong device assignment for a partly replicated sharding of a
@@ -150,8 +176,8 @@ def fold(x: torch.Tensor, split: FrameSplit, constrain: Constrain, halo: tuple[i
     spec = (None, split.h_axis, None, split.w_axis, None)
     x = constrain(x, spec)
     lo, hi = halo
-    x = exchange(x, 1, split.h_axis, lo, hi, spec, constrain, mode)  # H first
-    x = exchange(x, 3, split.w_axis, lo, hi, spec, constrain, mode)  # then W, corners included
+    x = exchange(x, 1, split.h_axis, lo, hi, spec, constrain, mode, max_gather)  # H first
+    x = exchange(x, 3, split.w_axis, lo, hi, spec, constrain, mode, max_gather)  # then W, corners included
     sh, sw = x.shape[2], x.shape[4]
     x = constrain(x.permute(1, 3, 0, 2, 4), (split.h_axis, split.w_axis, None, None, None))  # (nh, nw, lead, sh, sw)
     x = x.reshape(nh * nw * b, *rest, sh, sw)

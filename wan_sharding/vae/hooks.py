@@ -13,6 +13,8 @@ What each module gets (``strategy="halo"``; diffusers 0.42.1's ``autoencoder_kl_
 
 Everything else in the VAE (1x1 convs, the time convs, RMS norms over channels, the residual
 shortcuts' 2x2 regroupings, patchify) acts on each pixel or on 2x2 groups a shard holds whole.
+Which mesh axis carries H and which W is the call's (the handle picks it per frame), and so is the
+largest halo all-gather allowed: every hook reads both from :class:`VaeState` while it traces.
 
 ``annotate`` keeps each module's own padding and only zeroes padded rows before a conv and
 constrains its output to the split frame: the partitioner decides how to run the conv. ``channels``
@@ -37,23 +39,36 @@ from .layout import Frame
 
 @dataclass
 class VaeState:
-    """The frame of the call being traced (set by the handle's program, read by every hook)."""
+    """The call being traced (set by the handle's program, read by every hook): its frame (how it
+    is split and padded) and the most values one halo all-gather may hand a chip."""
 
     frame: Frame | None = None
+    max_gather: int | None = None
 
     @contextlib.contextmanager
-    def holding(self, frame: Frame) -> Iterator[None]:
-        self.frame = frame
+    def holding(self, frame: Frame, max_gather: int | None = None) -> Iterator[None]:
+        self.frame, self.max_gather = frame, max_gather
         try:
             yield
         finally:
-            self.frame = None
+            self.frame, self.max_gather = None, None
 
-    def logical_at(self, x: torch.Tensor) -> tuple[int, int]:
+    def _current(self) -> Frame:
         if self.frame is None:
             raise ShardingError("this VAE is sharded: run it through its handle (handle.decode(z) / handle.encode(x)) "
                                 "or the sharded pipeline, not by calling the model itself")
-        return self.frame.logical_at(*x.shape[-2:])
+        return self.frame
+
+    def logical_at(self, x: torch.Tensor) -> tuple[int, int]:
+        return self._current().logical_at(*x.shape[-2:])
+
+    @property
+    def split(self) -> FrameSplit:
+        """How the frame of the call lies on the mesh (chosen per frame: :func:`.layout.plan_frame`)."""
+        split = self._current().split
+        if split is None:
+            raise ShardingError("this call's frame is not split (the channels strategy)")
+        return split
 
 
 @dataclass(eq=False)
@@ -85,9 +100,9 @@ class VaeHooks:
         return {"strategy": self.strategy, "halo_modules": len(self.halo_modules)}
 
 
-def apply_vae_hooks(vae: torch.nn.Module, split: FrameSplit, backend: Backend, strategy: str,
-                    exchange: str = "gather") -> VaeHooks:
-    """Install the ``strategy``'s hooks on ``vae`` (see the module's table); returns their handle."""
+def apply_vae_hooks(vae: torch.nn.Module, backend: Backend, strategy: str, exchange: str = "gather") -> VaeHooks:
+    """Install the ``strategy``'s hooks on ``vae`` (see the module's table); returns their handle.
+    Each hook reads how the frame is split from the call's state: the handle picks it per frame."""
     hooks = VaeHooks(vae, strategy)
     constrain = backend.constrain
     state = hooks.state
@@ -100,11 +115,11 @@ def apply_vae_hooks(vae: torch.nn.Module, split: FrameSplit, backend: Backend, s
         for name, module in vae.named_modules():
             kind = type(module).__name__
             if kind == "WanCausalConv3d" and module.kernel_size[1] == 3:
-                _causal_conv(hooks, name, module, split, constrain, state, exchange)
+                _causal_conv(hooks, name, module, constrain, state, exchange)
             elif kind == "WanResample" and module.mode != "none":
-                _resample(hooks, name, module, split, constrain, state, exchange)
+                _resample(hooks, name, module, constrain, state, exchange)
             elif kind == "WanAttentionBlock":
-                _attention(hooks, module, split, constrain, state)
+                _attention(hooks, module, constrain, state)
         if backend.uses_torch_xla:  # after the fold hooks: it acts on the folded frame
             _lowered_upsample(hooks, vae)
     except BaseException:
@@ -113,8 +128,8 @@ def apply_vae_hooks(vae: torch.nn.Module, split: FrameSplit, backend: Backend, s
     return hooks
 
 
-def _causal_conv(hooks: VaeHooks, name: str, conv: torch.nn.Module, split: FrameSplit, constrain: Any,
-                 state: VaeState, exchange: str) -> None:
+def _causal_conv(hooks: VaeHooks, name: str, conv: torch.nn.Module, constrain: Any, state: VaeState,
+                 exchange: str) -> None:
     time_pad = conv._padding[4]
     halo = (conv._padding[2], conv._padding[2])
     if hooks.strategy == "annotate":
@@ -123,7 +138,7 @@ def _causal_conv(hooks: VaeHooks, name: str, conv: torch.nn.Module, split: Frame
             return (mask_logical(x, *state.logical_at(x)), *rest), kwargs
 
         hooks._handles.append(conv.register_forward_pre_hook(Hook(masked), with_kwargs=True))
-        hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: constrain(y, split.frame_spec(y.ndim)))))
+        hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: constrain(y, state.split.frame_spec(y.ndim)))))
         return
 
     def pre(mod, args, kwargs):
@@ -136,16 +151,16 @@ def _causal_conv(hooks: VaeHooks, name: str, conv: torch.nn.Module, split: Frame
         if front:
             x = F.pad(x, (0, 0, 0, 0, front, 0))
         x = mask_logical(x, *state.logical_at(x))
-        return (fold(x, split, constrain, halo, exchange),), {}
+        return (fold(x, state.split, constrain, halo, exchange, state.max_gather),), {}
 
     hooks.set_attribute(conv, "_padding", (0, 0, 0, 0, 0, 0))
     hooks._handles.append(conv.register_forward_pre_hook(Hook(pre), with_kwargs=True))
-    hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: unfold(y, split, constrain))))
+    hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: unfold(y, state.split, constrain))))
     hooks.halo_modules.append(name)
 
 
-def _resample(hooks: VaeHooks, name: str, resample: torch.nn.Module, split: FrameSplit, constrain: Any,
-              state: VaeState, exchange: str) -> None:
+def _resample(hooks: VaeHooks, name: str, resample: torch.nn.Module, constrain: Any, state: VaeState,
+              exchange: str) -> None:
     first, conv = resample.resample[0], resample.resample[1]
     down = resample.mode.startswith("downsample")
     if hooks.strategy == "annotate":
@@ -153,7 +168,7 @@ def _resample(hooks: VaeHooks, name: str, resample: torch.nn.Module, split: Fram
             return (mask_logical(args[0], *state.logical_at(args[0])),)
 
         hooks._handles.append(conv.register_forward_pre_hook(Hook(masked)))
-        hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: constrain(y, split.frame_spec(y.ndim)))))
+        hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: constrain(y, state.split.frame_spec(y.ndim)))))
         return
     if down:  # ZeroPad2d((0, 1, 0, 1)) then a stride-2 conv: the pad becomes the next shard's first row
         halo = (first.padding[2], first.padding[3])
@@ -161,19 +176,19 @@ def _resample(hooks: VaeHooks, name: str, resample: torch.nn.Module, split: Fram
     else:  # nearest x2 (local to each shard), then a 3x3 conv with padding 1
         halo = (conv.padding[0], conv.padding[0])
         hooks.set_attribute(conv, "padding", (0, 0))
-        hooks._handles.append(first.register_forward_pre_hook(Hook(lambda mod, a: (fold(a[0], split, constrain),))))
-        hooks._handles.append(first.register_forward_hook(Hook(lambda mod, a, y: unfold(y, split, constrain))))
+        hooks._handles.append(first.register_forward_pre_hook(Hook(lambda mod, a: (fold(a[0], state.split, constrain),))))
+        hooks._handles.append(first.register_forward_hook(Hook(lambda mod, a, y: unfold(y, state.split, constrain))))
 
     def pre(mod, args):
         x = mask_logical(args[0], *state.logical_at(args[0]))
-        return (fold(x, split, constrain, halo, exchange),)
+        return (fold(x, state.split, constrain, halo, exchange, state.max_gather),)
 
     hooks._handles.append(conv.register_forward_pre_hook(Hook(pre)))
-    hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: unfold(y, split, constrain))))
+    hooks._handles.append(conv.register_forward_hook(Hook(lambda mod, a, y: unfold(y, state.split, constrain))))
     hooks.halo_modules.append(f"{name}.resample")
 
 
-def _attention(hooks: VaeHooks, block: torch.nn.Module, split: FrameSplit, constrain: Any, state: VaeState) -> None:
+def _attention(hooks: VaeHooks, block: torch.nn.Module, constrain: Any, state: VaeState) -> None:
     """One head over the whole frame: gathered (the one collective the size of a frame), cut to its
     logical size so padded pixels are no keys, padded back and split again after."""
     padded: list[tuple[int, int]] = []
@@ -189,7 +204,7 @@ def _attention(hooks: VaeHooks, block: torch.nn.Module, split: FrameSplit, const
         ph, pw = padded.pop()
         y = constrain(y, (None,) * y.ndim)  # pinned: else the split below propagates into the attention
         y = F.pad(y, (0, pw - y.shape[-1], 0, ph - y.shape[-2]))
-        return constrain(y, split.frame_spec(y.ndim))
+        return constrain(y, state.split.frame_spec(y.ndim))
 
     hooks._handles.append(block.register_forward_pre_hook(Hook(pre)))
     hooks._handles.append(block.register_forward_hook(Hook(post)))

@@ -67,13 +67,23 @@ def check_strategy(strategy: str, padding: str) -> None:
         raise ShardingError(f"padding {padding!r} ({why}) does not apply to the VAE; choose one of {', '.join(VAE_PADDINGS)}")
 
 
-def frame_split(mesh: MeshSpec) -> FrameSplit:
-    """H over the mesh's first axis, W over its second (tt-metal's VAE splits H on one mesh axis and
-    W on the other); a one-axis mesh splits W only."""
+def frame_splits(mesh: MeshSpec) -> tuple[FrameSplit, ...]:
+    """The ways a frame can lie on a 2-D mesh: H over the first axis and W over the second, then the
+    other way round (one way when both axes are as long)."""
     names = mesh.axis_names
     if len(names) != 2:
         raise ShardingError(f"the VAE needs a 2-D mesh, got axes {names}")
-    return FrameSplit(names[0], names[1], mesh.shape[0], mesh.shape[1])
+    a, b = mesh.shape
+    first = FrameSplit(names[0], names[1], a, b)
+    return (first,) if a == b else (first, FrameSplit(names[1], names[0], b, a))
+
+
+def halo_gather(split: FrameSplit, h: float, w: float) -> float:
+    """Per channel and frame, the values the larger of a 3x3 conv's two halo all-gathers hands each
+    chip, for shards of ``h x w``: the H exchange gathers one row per side of every shard on H's axis
+    (``nh x 2 x w``), the W exchange one column per side of every shard on W's axis, over the rows
+    the H exchange extended (``nw x 2 x (h + 2)``). An axis of one shard gathers nothing."""
+    return max(split.nh * 2 * w if split.nh > 1 else 0, split.nw * 2 * (h + 2) if split.nw > 1 else 0)
 
 
 def channel_axis(mesh: MeshSpec) -> str:
@@ -84,10 +94,12 @@ def channel_axis(mesh: MeshSpec) -> str:
 @dataclass(frozen=True)
 class Frame:
     """One call's frame: ``logical`` (H, W) as given, ``padded`` (H, W) as it lies on the mesh, at
-    the input's resolution (latent for a decode, pixels for an encode)."""
+    the input's resolution (latent for a decode, pixels for an encode), and how it is split
+    (``None`` when it stays whole: the ``channels`` strategy)."""
 
     logical: tuple[int, int]
     padded: tuple[int, int]
+    split: FrameSplit | None = None
 
     def logical_at(self, h: int, w: int) -> tuple[int, int]:
         """The logical size at another resolution whose padded size is ``(h, w)``."""
@@ -98,22 +110,32 @@ class Frame:
         return self.logical != self.padded
 
 
-def plan_frame(height: int, width: int, split: FrameSplit, padding: str, unit: int, what: str) -> Frame:
-    """The padded frame for ``height x width`` at the input's resolution: each of H and W a multiple of
-    its shard count times ``unit`` (the rows one shard's piece must keep whole through the model's
-    downsamplers); ``padding="none"`` refuses a size that needs padding."""
+def plan_frame(height: int, width: int, mesh: MeshSpec, padding: str, unit: int, what: str,
+               scale: float = 1.0) -> Frame:
+    """The frame for ``height x width`` at the input's resolution: split the way whose largest halo
+    all-gather is smallest (:func:`halo_gather`, counted on the step's largest frame, ``scale`` times
+    the input's: the decoder's output, the encoder's input), and each of H and W padded to a
+    multiple of its shard count times ``unit`` (the rows one shard's piece must keep whole through
+    the model's downsamplers). The orientation matters on a mesh whose axes differ: an all-gather
+    over the 8-long axis of 8x4 hands every chip 8 shards' boundary rows, each as long as a shard's
+    extent along the other dim, so that axis carries the dim that gives it the shorter rows (W, for
+    a wide video frame). Ties keep H on the first axis. ``padding="none"`` takes only a way that
+    needs no padding and refuses the size when there is none."""
     if height % unit or width % unit:
         raise ShardingError(f"{what} {height}x{width} is not a multiple of {unit} (the VAE's spatial compression); "
                             f"use a size divisible by {unit}")
-    padded = []
-    for size, n in ((height, split.nh), (width, split.nw)):
-        step = n * unit
-        padded.append(-(-size // step) * step)
-    frame = Frame((height, width), (padded[0], padded[1]))
-    if frame.is_padded and padding == "none":
-        raise ShardingError(f"{what} {height}x{width} does not split into {split.nh}x{split.nw} shards of whole "
-                            f"{unit}-pixel units; use padding='mask' (pads to {padded[0]}x{padded[1]}, exact) or a divisible size")
-    return frame
+    options = []
+    for order, split in enumerate(frame_splits(mesh)):
+        padded = tuple(-(-size // (n * unit)) * n * unit for size, n in ((height, split.nh), (width, split.nw)))
+        cost = halo_gather(split, padded[0] // split.nh * scale, padded[1] // split.nw * scale)
+        options.append((cost, padded[0] * padded[1], order, Frame((height, width), padded, split)))
+    fits = [o for o in options if not o[3].is_padded]
+    if padding == "none" and not fits:
+        frame = min(options)[3]
+        raise ShardingError(f"{what} {height}x{width} does not split into {frame.split.nh}x{frame.split.nw} shards of "
+                            f"whole {unit}-pixel units; use padding='mask' (pads to {frame.padded[0]}x{frame.padded[1]}, "
+                            "exact) or a divisible size")
+    return min(fits if padding == "none" else options)[3]
 
 
 def vae_specs(vae: torch.nn.Module, mesh: MeshSpec, strategy: str = DEFAULT_STRATEGY) -> ShardSpecs:
@@ -152,3 +174,22 @@ def spatial_units(vae: Any) -> tuple[int, int]:
     latent row (the VAE's spatial compression, patchify included), which an encode input's shards
     must keep whole so every downsampler halves them exactly."""
     return 1, int(vae.config.scale_factor_spatial)
+
+
+def attention_gather(vae: Any, part: str, batch: int, frame: Frame) -> int:
+    """The values the mid-block attention gathers in one step of ``part`` (the whole latent frame at
+    its width, per batch item): the one collective a step needs the size of a frame, and the most
+    any halo all-gather is let hand a chip (the bill rule of docs/vae.md)."""
+    coder = vae.decoder if part == "decode" else vae.encoder
+    unit = 1 if part == "decode" else spatial_units(vae)[1]
+    h, w = frame.padded
+    return batch * coder.mid_block.attentions[0].dim * (h // unit) * (w // unit)
+
+
+def widest_scale(config: Any, part: str) -> float:
+    """How much larger the step's largest convolved frame is than its input: a decode's output
+    before unpatchify (the latent times the spatial compression over the patch), an encode's input
+    after patchify."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    patch = get("patch_size", None) or 1
+    return get("scale_factor_spatial", 8) / patch if part == "decode" else 1 / patch

@@ -47,7 +47,7 @@ class StepPrograms:
     once per object and input shapes, so each step structure compiles once. ``enter(x)`` is the
     handle's per-step setup inside the program (pad, split, the frame state); ``enter(part, x)``
     returns the split input and a context that holds the frame state for the step; ``pin(t)``
-    constrains an output to its split."""
+    constrains an output to its split (inside that context: the split is the frame's)."""
 
     def __init__(self, enter: Callable[[str, torch.Tensor], tuple[torch.Tensor, Any]], quirks: Callable[[], Any],
                  pin: Callable[[torch.Tensor], torch.Tensor]):
@@ -55,6 +55,7 @@ class StepPrograms:
         self._pin = pin
         self._quirks = quirks
         self._functions: dict[tuple, Callable] = {}
+        self._keys: dict[Callable, tuple] = {}
         self.out_patterns: dict[tuple, tuple[str, ...]] = {}  # recorded while a step is traced
 
     def function(self, part: str, pattern: tuple[str, ...], first: bool) -> Callable:
@@ -67,13 +68,21 @@ class StepPrograms:
                 cache = rebuild_cache(pattern, cached)
                 with frame_state, self._quirks():
                     out = body(vae, x, cache, first)
-                self.out_patterns[key] = cache_pattern(cache)
-                # pinned: the next step's inputs then have one sharding at every step (jax compiles a
-                # function again for inputs sharded differently)
-                return self._pin(out), tuple(self._pin(c) for c in cache if isinstance(c, torch.Tensor))
+                    self.out_patterns[key] = cache_pattern(cache)
+                    # pinned: the next step's inputs then have one sharding at every step (jax compiles a
+                    # function again for inputs sharded differently)
+                    return self._pin(out), tuple(self._pin(c) for c in cache if isinstance(c, torch.Tensor))
 
             self._functions[key] = step
+            self._keys[step] = key
         return self._functions[key]
+
+    def next_pattern(self, fn: Callable) -> tuple[str, ...]:
+        """The cache pattern the step function ``fn`` leaves (known once it has been traced)."""
+        key = self._keys[fn]
+        if key not in self.out_patterns:
+            raise RuntimeError(f"the {key[0]} step {key[1:]} has not been traced yet: its cache's structure is unknown")
+        return self.out_patterns[key]
 
 
 def _decode_step(vae: torch.nn.Module, z: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
@@ -126,6 +135,46 @@ def clamped_negative_slices():
 
     with Clamp():
         yield
+
+
+@contextlib.contextmanager
+def sliced_integer_indexing():
+    """torchax lowers an integer index (``x[:, :, -1]``, which diffusers' cache takes of the
+    previous frames in every step after the first) through ``jnp`` indexing, which makes it a
+    ``dynamic_slice``; tt-mlir 0.1.3 partitions a ``dynamic_slice`` of a split tensor wrong and
+    refuses the step ("has slice size 32 greater than dimension size 8 in dimension 3 of
+    operand"). Inside this context such an index is a one-wide static slice and a squeeze, the same
+    values (a TorchFunctionMode, only around the VAE's steps on the JAX backend)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Sliced(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.__getitem__ and isinstance(args[1], tuple):
+                index, picked = _sliced_index(args[0].shape, args[1])
+                if picked:
+                    out = func(args[0], index)
+                    for dim in reversed(picked):
+                        out = out.squeeze(dim)
+                    return out
+            return func(*args, **(kwargs or {}))
+
+    with Sliced():
+        yield
+
+
+def _sliced_index(shape: torch.Size, index: tuple) -> tuple[tuple, list[int]]:
+    """``index`` with each plain integer ``i`` as the slice ``i:i+1`` (negative ones counted from
+    the end), and the dims those were; unchanged when it holds anything but integers and slices."""
+    if len(index) > len(shape) or not all(isinstance(i, (int, slice)) and not isinstance(i, bool) for i in index):
+        return index, []
+    out, picked = [], []
+    for dim, (size, i) in enumerate(zip(shape, index)):
+        if isinstance(i, int):
+            start = i + size if i < 0 else i
+            i = slice(start, start + 1)
+            picked.append(dim)
+        out.append(i)
+    return tuple(out), picked
 
 
 def _clamp_index(shape: torch.Size, index: tuple) -> tuple:

@@ -4,13 +4,15 @@
 ``compose.shard_module`` (specs -> placement -> the halo hooks), returning a :class:`VaeHandle`
 whose ``decode`` / ``encode`` run the VAE's own decode / encode loop on the mesh, one program per
 latent frame or time chunk (:mod:`.programs`), and return what ``vae.decode`` / ``vae.encode``
-return. Each step pads its frame to the mesh (when it must) and splits it over H and W inside its
-program; the host assembles the outputs and cuts them back to the logical size.
+return. Each call's frame is split over H on one mesh axis and W on the other, the way round
+whose halo all-gathers are smaller for that frame (:func:`.layout.plan_frame`); each step pads its
+frame to the mesh (when it must) and splits it inside its program, and no halo all-gather in it
+grows past the mid-block attention's frame gather (:func:`.layout.attention_gather`); the host
+assembles the outputs and cuts them back to the logical size.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +24,10 @@ from ..compose import Resolved, ShardHandle, resolve, shard_module
 from ..specs import ShardingError
 from .halo import EXCHANGES
 from .hooks import apply_vae_hooks
-from .programs import StepPrograms, clamped_negative_slices, decode_steps, empty_cache, encode_steps, pad_frame
-from .layout import (DEFAULT_STRATEGY, DEFAULT_VAE_PADDING, Frame, check_strategy, check_vae_model, frame_split, plan_frame,
-                     spatial_units, vae_specs)
+from .programs import (StepPrograms, clamped_negative_slices, decode_steps, empty_cache, encode_steps, pad_frame,
+                       sliced_integer_indexing)
+from .layout import (DEFAULT_STRATEGY, DEFAULT_VAE_PADDING, Frame, attention_gather, check_strategy, check_vae_model,
+                     frame_splits, plan_frame, spatial_units, vae_specs, widest_scale)
 
 __all__ = ["VaeHandle", "check_vae", "shard_vae"]
 
@@ -38,6 +41,7 @@ class VaeHandle(ShardHandle):
 
     padding_mode: str = "mask"
     steps: StepPrograms | None = None
+    last_frame: Frame | None = None  # the frame of the latest decode or encode
 
     @property
     def vae(self) -> torch.nn.Module:
@@ -47,24 +51,23 @@ class VaeHandle(ShardHandle):
     def strategy(self) -> str:
         return self.hooks.strategy
 
-    @property
-    def split(self):
-        return frame_split(self.mesh)
-
     def plan_decode(self, shape: tuple[int, ...]) -> Frame:
-        """The frame a decode of latents of ``shape`` lies on (padded or refused as ``padding`` says)."""
-        return self._frame(shape, spatial_units(self.vae)[0], "latent frame")
+        """The frame a decode of latents of ``shape`` lies on: how it is split over the mesh (the
+        orientation whose halo gathers are smallest) and padded (or refused, as ``padding`` says)."""
+        return self._frame(shape, "decode")
 
     def plan_encode(self, shape: tuple[int, ...]) -> Frame:
         """The frame an encode of a video of ``shape`` lies on."""
-        return self._frame(shape, spatial_units(self.vae)[1], "video frame")
+        return self._frame(shape, "encode")
 
-    def _frame(self, shape: tuple[int, ...], unit: int, what: str) -> Frame:
+    def _frame(self, shape: tuple[int, ...], part: str) -> Frame:
         if len(shape) != 5:
             raise ShardingError(f"the VAE takes (batch, channels, frames, height, width), got a shape {tuple(shape)}")
         if self.strategy == "channels":  # the frame stays whole
             return Frame(tuple(shape[-2:]), tuple(shape[-2:]))
-        return plan_frame(shape[-2], shape[-1], self.split, self.padding_mode, unit, what)
+        unit = spatial_units(self.vae)[0 if part == "decode" else 1]
+        return plan_frame(shape[-2], shape[-1], self.mesh, self.padding_mode, unit,
+                          "latent frame" if part == "decode" else "video frame", widest_scale(self.vae.config, part))
 
     def decode(self, z: torch.Tensor, return_dict: bool = True) -> Any:
         """``vae.decode(z, return_dict)`` on the mesh; the same return type, on the host."""
@@ -72,6 +75,7 @@ class VaeHandle(ShardHandle):
 
         self._check_call()
         frame = self.plan_decode(tuple(z.shape))  # refused here, before any program starts
+        self.last_frame = frame
         out = torch.cat(self._run("decode", z, decode_steps(z.shape[2]), frame), dim=2)
         return DecoderOutput(sample=out) if return_dict else (out,)
 
@@ -83,6 +87,7 @@ class VaeHandle(ShardHandle):
 
         self._check_call()
         frame = self.plan_encode(tuple(x.shape))
+        self.last_frame = frame
         h = torch.cat(self._run("encode", x, encode_steps(x.shape[2]), frame), dim=2)
         posterior = DiagonalGaussianDistribution(h)
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
@@ -113,28 +118,35 @@ class VaeHandle(ShardHandle):
             outs.append(_cut(self.backend.to_host(out), frame))
         return outs
 
-    def first_step(self, part: str = "decode") -> Any:
-        """The function of ``part``'s first step (``fn(vae, x)``: the first latent frame of a decode,
-        the first video frame of an encode), as ``decode`` / ``encode`` run it through the backend;
-        the compile frontends lower it."""
-        return self._programs().function(part, empty_cache(self.vae, part), True)
+    def step_function(self, part: str = "decode", after: Any = None) -> Any:
+        """The function of ``part``'s first step (``after=None``: the first latent frame of a decode,
+        the first video frame of an encode), or of the step that follows the step function
+        ``after`` once that one has been traced (its cache's structure is then known); as
+        ``decode`` / ``encode`` run them through the backend: ``fn(vae, x, *cache) -> (out, cache)``.
+        The compile frontends lower them."""
+        programs = self._programs()
+        if after is None:
+            return programs.function(part, empty_cache(self.vae, part), True)
+        return programs.function(part, programs.next_pattern(after), False)
 
     def _programs(self) -> StepPrograms:
         if self.steps is None:
-            quirks = clamped_negative_slices if self.backend.uses_torch_xla else contextlib.nullcontext
+            quirks = clamped_negative_slices if self.backend.uses_torch_xla else sliced_integer_indexing
             self.steps = StepPrograms(self._enter, quirks, self._pin)
         return self.steps
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.strategy == "channels" else self.backend.constrain(t, self.split.frame_spec(t.ndim))
+        """An output of a step constrained to the step's split (inside the step: the state holds it)."""
+        return t if self.strategy == "channels" else self.backend.constrain(t, self.hooks.state.split.frame_spec(t.ndim))
 
     def _enter(self, part: str, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Inside a step's program: pad the input to its frame, split it over H and W, and hold the
-        frame for the hooks while the step runs."""
-        frame = self.plan_decode(tuple(x.shape)) if part == "decode" else self.plan_encode(tuple(x.shape))
-        if self.strategy != "channels":
-            x = self.backend.constrain(pad_frame(x, frame.padded), self.split.frame_spec(x.ndim))
-        return x, self.hooks.state.holding(frame)
+        frame (and the largest gather a halo may make) for the hooks while the step runs."""
+        frame = self._frame(tuple(x.shape), part)
+        if self.strategy == "channels":
+            return x, self.hooks.state.holding(frame)
+        x = self.backend.constrain(pad_frame(x, frame.padded), frame.split.frame_spec(x.ndim))
+        return x, self.hooks.state.holding(frame, attention_gather(self.vae, part, x.shape[0], frame))
 
     def remove(self) -> None:
         super().remove()
@@ -144,8 +156,9 @@ class VaeHandle(ShardHandle):
         out = super().describe()
         out.update({"component": "vae", "padding": self.padding_mode, **self.hooks.describe()})
         if self.strategy != "channels":
-            split = self.split
-            out["frame_split"] = f"H/{split.nh} on {split.h_axis}, W/{split.nw} on {split.w_axis}"
+            split = self.last_frame.split if self.last_frame is not None else None
+            out["frame_split"] = (split.describe() if split is not None
+                                  else f"per frame, H and W over {' and '.join(self.mesh.axis_names)}")
         return out
 
 
@@ -164,7 +177,7 @@ def check_vae(vae: torch.nn.Module, resolved: Resolved, strategy: str = DEFAULT_
         raise ShardingError("this VAE is already sharded; call its handle's remove() first")
     if resolved.patches:
         raise ShardingError(f"patches {list(resolved.patches)} are DiT rewrites; the VAE takes none")
-    frame_split(resolved.mesh)
+    frame_splits(resolved.mesh)
     vae_specs(vae, resolved.mesh, strategy)
 
 
@@ -173,9 +186,11 @@ def shard_vae(vae: torch.nn.Module, mesh_or_plan: Any = None, backend: str | Bac
               keep_host_weights: bool = True,
               resolved: Resolved | None = None) -> VaeHandle:
     """Shard a diffusers ``AutoencoderKLWan`` (the Wan 2.1 VAE of the A14B pipelines or the Wan 2.2
-    VAE of TI2V-5B) over the mesh: every frame split over H (the mesh's first axis) and W (its
-    second), each 3x3 conv's zero padding on a split dim replaced by a one-row halo from its
-    neighbours, the mid-block attention on the gathered frame.
+    VAE of TI2V-5B) over the mesh: every frame split over H on one mesh axis and W on the other
+    (per frame, the way round whose halo all-gathers are smaller: W on the 8-long axis of 8x4 for
+    a wide video frame), each 3x3 conv's zero padding on a split dim replaced by a one-row halo
+    from its neighbours (no all-gather of it larger than the attention's frame gather), the
+    mid-block attention on the gathered frame.
 
     Args:
         vae: the model (real weights; ``meta`` for the ``jax`` backend's compile-only lowering).
@@ -214,7 +229,7 @@ def shard_vae(vae: torch.nn.Module, mesh_or_plan: Any = None, backend: str | Bac
         raise ShardingError(f"unknown halo exchange {exchange!r}; choose one of {', '.join(EXCHANGES)}")
     handle: VaeHandle = shard_module(  # type: ignore[assignment]
         vae, resolved, lambda m: vae_specs(m, resolved.mesh, strategy),
-        hooks=lambda h: apply_vae_hooks(vae, frame_split(resolved.mesh), resolved.backend, strategy, exchange),
+        hooks=lambda h: apply_vae_hooks(vae, resolved.backend, strategy, exchange),
         keep_host_weights=keep_host_weights, handle_type=VaeHandle)
     handle.padding_mode = padding
     _SHARDED.add(vae)
