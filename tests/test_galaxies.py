@@ -19,7 +19,7 @@ from wan_sharding.compile.bill import bill_problems, tile_alignment
 from wan_sharding.compile.sysdesc import build_system_descriptor, inter_galaxy_channels, read_system_descriptor
 from wan_sharding.planner import PlannerError, hardware, plan_sharding
 from wan_sharding.planner.candidates import build_candidates
-from wan_sharding.planner.search import weight_bytes_per_expert
+from wan_sharding.planner.weights import weight_bytes_per_expert
 from wan_sharding.planner.workload import Workload
 
 needs_plugin = pytest.mark.skipif(sysdesc.installed_plugin_version() is None, reason="jax-tt-plugin is not installed")

@@ -25,7 +25,8 @@ from wan_sharding.planner import analytic, hardware
 from wan_sharding.planner.candidates import (AXIS_NAMES, build_candidates, enumerate_plans, padding_options,
                                              structural_reason)
 from wan_sharding.planner.report import EXIT_OK, format_report
-from wan_sharding.planner.search import PlanReport, _meta_dit, plan_sharding, weight_bytes_per_expert
+from wan_sharding.planner.search import PlanReport, plan_sharding
+from wan_sharding.planner.weights import meta_dit, weight_bytes_per_expert
 from wan_sharding.planner.workload import Workload
 
 needs_plugin = pytest.mark.skipif(sysdesc.installed_plugin_version() is None,
@@ -144,7 +145,7 @@ def test_wormhole_2x4_fits_both_experts_in_12gb_with_fsdp(analytic_2x4: dict[str
     assert rec is not None and rec.plan.fsdp
     assert rec.memory.total <= 12 * GB
     # the weights are exactly what the ordinary API's specs give, both experts
-    specs = shard_dit_specs(_meta_dit("t2v-a14b"), rec.plan)
+    specs = shard_dit_specs(meta_dit("t2v-a14b"), rec.plan)
     assert rec.memory.weights == pytest.approx(2 * specs.bytes_per_device(2))
     # the reference recipe (SP 2 / TP 4, weights replicated over SP) does not fit: ~14.5 GB of weights
     recipe = next(c for c in report.candidates if c.plan == ShardingPlan((2, 4), N, ("rows",), ("cols",), False,
@@ -240,7 +241,7 @@ def test_compiled_stage_ranks_from_ttnn_and_reports_what_does_not_compile(tmp_pa
     rec.plan.save(path)
     plan = ShardingPlan.load(path)
     assert plan == rec.plan
-    assert 2 * shard_dit_specs(_meta_dit("t2v-a14b"), plan).bytes_per_device(2) <= 12 * GB
+    assert 2 * shard_dit_specs(meta_dit("t2v-a14b"), plan).bytes_per_device(2) <= 12 * GB
     dit = build_dit("t2v-a14b")  # tiny: 8 heads, TP 2 and SP 4 apply as they are
     inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
     with torch.no_grad():

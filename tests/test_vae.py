@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,14 +59,14 @@ COMPILE = ("compile", "--component", "vae", "--size", "tiny", "--vae-kind", "wan
            "--resolution", "480p", "--json")
 
 
-def _compile() -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "wan_sharding.cli", *COMPILE], capture_output=True, text=True,
-                          timeout=900)
+def _compile(out: Path) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "wan_sharding.cli", *COMPILE, "--out", str(out)], capture_output=True,
+                          text=True, timeout=900)
     return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {"stderr": proc.stderr[-3000:]}
 
 
 @pytest.fixture(scope="module")
-def jobs():
+def jobs(tmp_path_factory):
     """Every worker of the default matrix and the compile, two at a time (the compile third: after
     the shorter of the first two)."""
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -73,7 +74,7 @@ def jobs():
         for i, (backend, share) in enumerate(MATRIX):
             futures[f"{backend}-{i}"] = pool.submit(run_meshes, backend, share)
             if i == 1 and sysdesc.installed_plugin_version() is not None:
-                futures["compile"] = pool.submit(_compile)
+                futures["compile"] = pool.submit(_compile, tmp_path_factory.mktemp("vae-compile"))
         yield futures
 
 

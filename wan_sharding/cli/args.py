@@ -172,7 +172,7 @@ def add_multihost(ap: argparse.ArgumentParser, launch: bool = True) -> None:
     """``--rank-binding NAME``: a system of several hosts run by tt-xla's distributed runtime
     (``docs/tt-backend.md``, "Beyond one host"). With ``launch`` (the commands that run ``--backend
     tt``), also the hosts, the controller, MPI's network interface and remote shell, and
-    ``--dry-run``; the checks are :func:`wan_sharding.cli.validate.check_launch`'s."""
+    ``--dry-run``; the checks are :func:`wan_sharding.cli.launch.check_launch`'s."""
     from ..systems import RANK_BINDINGS
 
     g = ap.add_argument_group("several hosts (tt-xla's distributed runtime; docs/tt-backend.md)")

@@ -16,9 +16,9 @@ from . import text_encoder
 from .args import (add_cfg, add_component, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan,
                    add_text_encoder, preset, presets, print_settings, stack_missing)
 from .dryrun import dry_run
-from .vae import add_vae_placement, check_vae
-from .validate import (UsageError, apply_plan, binding_mesh, cfg_plan, check_launch, check_length, check_rope_length,
-                       check_vae_request)
+from .launch import binding_mesh, check_launch
+from .vae import add_vae_placement, check_vae, check_vae_request
+from .validate import UsageError, apply_plan, cfg_plan, check_length, check_rope_length
 
 DEFAULT_MESHES = ("1x4", "2x4", "8x4")
 CFG_MESHES = ("2x4", "8x4")  # --cfg 2: the presets with an even SP axis to cut in two

@@ -29,9 +29,10 @@ from ..models import RESOLUTIONS, VARIANTS
 from ..workers import atomic_write
 from . import text_encoder
 from .args import add_cfg, add_component, add_dtype, add_multihost, add_overwrite, add_padding, add_patches, add_plan
-from .vae import add_vae_compile_args, compile_vae
-from .validate import (UsageError, apply_plan, binding_mesh, check_binding, check_vae_compile, compile_options, latent, output_dir,
-                       output_file, positive_float, positive_int)
+from .launch import binding_mesh, check_binding
+from .vae import add_vae_compile_args, check_vae_compile, compile_vae
+from .validate import (UsageError, apply_plan, compile_options, latent, output_dir, output_file, positive_float,
+                       positive_int)
 
 DEFAULT_ARCH = "wormhole_b0"
 

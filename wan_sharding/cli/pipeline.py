@@ -20,7 +20,8 @@ from .args import (add_cache, add_cfg, add_dtype, add_mesh, add_multihost, add_o
                    add_plan, add_text_encoder, print_settings, stack_missing)
 from .dryrun import dry_run
 from .vae import add_vae_placement
-from .validate import apply_plan, binding_mesh, check_generate, check_launch, check_profile
+from .launch import binding_mesh, check_launch
+from .validate import apply_plan, check_generate, check_profile
 
 BACKEND_HELP = "xla or jax: CPU virtual devices; tt: Tenstorrent devices (needs Tenstorrent's stack)"
 

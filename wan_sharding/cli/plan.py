@@ -37,7 +37,8 @@ from ..mesh import MeshError, parse_mesh_shape
 from .. import scratch
 from ..workers import atomic_path
 from .args import add_multihost, add_overwrite, add_text_encoder
-from .validate import UsageError, check_binding, latent, output_dir, output_file, positive_float, positive_int
+from .launch import check_binding
+from .validate import UsageError, latent, output_dir, output_file, positive_float, positive_int
 
 DEFAULT_MESH, DEFAULT_ARCH = "8x4", "wormhole_b0"
 

@@ -13,12 +13,11 @@ from . import text_encoder
 from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
 from .dryrun import dry_run
 from .pipeline import add_pipeline_source, worker_params
+from .launch import binding_mesh, check_launch
 from .vae import add_vae_placement
 from .validate import (
     UsageError,
     apply_plan,
-    binding_mesh,
-    check_launch,
     check_counts,
     check_video,
     model_dir,

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from ..models import VAE_KINDS
 from ..options import VAE_PLACEMENTS
 from .args import stack_missing
+from .validate import UsageError
 
 # check --component vae: each mesh's cases (latent F,H,W: 3 frames, so the time cache is carried
 # over two steps; 5x8 is a frame 2 and 8 do not divide, padded and masked).
@@ -32,6 +33,16 @@ def add_vae_placement(ap: argparse.ArgumentParser) -> None:
 
 
 # ---- check --component vae ----------------------------------------------------------------------
+
+
+def check_vae_request(args: argparse.Namespace) -> None:
+    """``check --component vae``: no DiT-only option."""
+    if args.plan is not None or args.cfg == 2 or args.patches or args.padding not in (None, "mask"):
+        raise UsageError("--plan, --cfg, --patches and --padding are DiT options; with --component vae give "
+                         "--meshes, --backends, --dtype and --vae-kind")
+    if args.rank_binding or args.hosts or args.hostfile or args.dry_run:
+        raise UsageError("--rank-binding, --hosts, --hostfile and --dry-run launch the DiT's check over several hosts; "
+                         "the VAE's check runs on one host: leave them out with --component vae")
 
 
 def check_vae(args: argparse.Namespace, echo: bool | None = None) -> int:
@@ -82,6 +93,21 @@ def print_row(r: dict[str, Any], header: bool) -> None:
 # ---- compile --component vae --------------------------------------------------------------------
 
 COMPILE_STRATEGIES = ("halo", "halo-permute", "annotate", "channels")
+
+
+def check_vae_compile(args: argparse.Namespace) -> None:
+    """``compile --component vae``: a resolution the VAE's compile knows, no DiT-only option."""
+    from ..compile.vae import PIXELS
+
+    if args.resolution not in PIXELS:
+        raise UsageError(f"--resolution {args.resolution} with --component vae: choose {' or '.join(PIXELS)}")
+    if (args.latent is not None or args.plan is not None or args.cfg == 2 or args.patches or args.rank_binding
+            or args.variant is not None or args.blocks is not None):
+        raise UsageError("--latent, --plan, --cfg, --patches, --rank-binding, --variant and --blocks are DiT options; "
+                         "with --component vae give --mesh, --resolution, --frontend, --vae-kind, --strategy and --step")
+    if args.tokens is not None or args.vocab is not None:
+        raise UsageError("--tokens and --vocab are the text encoder's; with --component vae give --mesh, --resolution, "
+                         "--frontend, --vae-kind, --strategy and --step")
 
 
 def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, Any]], int]) -> int:

@@ -275,7 +275,7 @@ def placed_vs_predicted(handle: Any, plan: Any) -> dict[str, dict[str, Any]]:
     """Per expert (and the text encoder, when it is on the mesh): its weights' bytes per device as
     placed on the backend's devices, next to what the planner counts for the same plan and model
     (``predicted_weight_bytes``, ``predicted_text_encoder_bytes``)."""
-    from ..planner.search import predicted_text_encoder_bytes, predicted_weight_bytes
+    from ..planner.weights import predicted_text_encoder_bytes, predicted_weight_bytes
 
     out = {}
     for name, per_device in handle.placed_weight_bytes().items():

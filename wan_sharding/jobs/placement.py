@@ -34,7 +34,7 @@ def _verify(p: dict[str, Any]) -> list[dict[str, Any]]:
     from ..backends import get_backend
     from ..models import build_dit
     from ..plan import ShardingPlan
-    from ..planner.search import predicted_weight_bytes
+    from ..planner.weights import predicted_weight_bytes
     from ..planner.workload import BF16, EXPERTS
     from ..specs import shard_dit_specs
     from .launch import prepare_worker

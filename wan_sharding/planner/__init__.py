@@ -6,7 +6,7 @@ compile-only mode and costed op by op from their TTNN programs on a model of the
 (:mod:`.compiled`, :mod:`.ir_cost`, :mod:`.hardware`). ``wan-sharding plan`` is the command;
 :func:`plan_sharding` the function, :func:`format_report` its text.
 
-Imports run one way: ``workload`` / ``hardware`` -> ``ir_cost`` -> ``analytic`` / ``compiled`` ->
+Imports run one way: ``workload`` / ``hardware`` -> ``weights`` (bytes per chip) / ``ir_cost`` -> ``analytic`` / ``compiled`` ->
 ``candidates`` -> ``hosts`` (what crosses hosts) -> ``search`` -> ``report``. TTNN text is read by :mod:`wan_sharding.compile.ttnn_ir`,
 meshes by :func:`wan_sharding.mesh.parse_mesh_shape`.
 """

@@ -17,7 +17,6 @@ it wins only by more than that.
 from __future__ import annotations
 
 import time
-from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -34,7 +33,8 @@ from .hosts import (TP_ACROSS_HOSTS, candidate_cuts, compile_cuts, cross_host_gb
                     ranking_seconds, tp_crosses_hosts)
 from .hardware import Chip, Fabric, chip as chip_for, fabric_for, pair_exchange_seconds, sub_fabric
 from .ir_cost import ATTENTION_MODES
-from .workload import BF16, Workload
+from .weights import meta_dit, text_encoder_weight_bytes, weight_bytes_per_expert
+from .workload import Workload
 
 
 class PlannerError(RuntimeError):
@@ -142,56 +142,6 @@ class PlanReport:
             "recommended": rec,
             **({"vae_memory_per_chip": self.vae_memory.to_json()} if self.vae_memory is not None else {}),
         }
-
-
-@lru_cache(maxsize=4)
-def _meta_dit(variant: str) -> Any:
-    """The full-size ``variant`` on the meta device, built once per process (~10 s)."""
-    import torch
-
-    from ..models import build_dit
-
-    return build_dit(variant, "full", device="meta", dtype=torch.bfloat16)
-
-
-def predicted_weight_bytes(dit: Any, plan: ShardingPlan, dtype_bytes: int | None = None) -> int:
-    """What the planner counts for one expert's weights per chip under ``plan``: the specs'
-    ``bytes_per_device`` (``dtype_bytes`` overrides the parameters' element size). Raises
-    ``ShardingError`` (a ``ValueError``) when the specs refuse the plan."""
-    from ..specs import shard_dit_specs
-
-    return shard_dit_specs(dit, plan).bytes_per_device(dtype_bytes)
-
-
-@lru_cache(maxsize=4096)
-def weight_bytes_per_expert(variant: str, plan: ShardingPlan) -> float:
-    """One expert's weight bytes per chip in bf16 under ``plan``, on the meta model (~30 ms)."""
-    return float(predicted_weight_bytes(_meta_dit(variant), plan, BF16))
-
-
-@lru_cache(maxsize=1)
-def _meta_text_encoder() -> Any:
-    """The full-size UMT5 encoder on the meta device, built once per process."""
-    import torch
-
-    from ..models import build_text_encoder
-
-    return build_text_encoder("full", device="meta", dtype=torch.bfloat16)
-
-
-def predicted_text_encoder_bytes(encoder: Any, plan: ShardingPlan, dtype_bytes: int | None = None) -> int:
-    """What the planner counts for the UMT5 text encoder's weights per chip under ``plan`` when it
-    is on the mesh: its specs' ``bytes_per_device`` (the replicated 256384 x 4096 embedding, 2.1 GB
-    in bf16, is most of it at TP 4). Raises ``ShardingError`` when the specs refuse the plan."""
-    from ..text_encoder import shard_text_encoder_specs
-
-    return shard_text_encoder_specs(encoder, plan).bytes_per_device(dtype_bytes)
-
-
-@lru_cache(maxsize=4096)
-def text_encoder_weight_bytes(plan: ShardingPlan) -> float:
-    """The full-size UMT5 encoder's weight bytes per chip in bf16 under ``plan``."""
-    return float(predicted_text_encoder_bytes(_meta_text_encoder(), plan, BF16))
 
 
 def candidate_fabric(fabric: Fabric, c: Candidate) -> Fabric:
@@ -311,7 +261,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
     cuts = host_cuts(shape, binding, (fabric.axes[0].wrap, fabric.axes[1].wrap))
     timings: dict[str, float] = {}
     say(f"workload {work.label}; {fabric.describe()}" + (f"; {cuts.describe()}" if cuts is not None else ""))
-    _meta_dit(work.variant)
+    meta_dit(work.variant)
     timings["model"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     rejected = (lambda s: f"tt-mlir rejects a {s[0]}x{s[1]} mesh" if tt_mlir_rejects(s) else "") if compile else None
