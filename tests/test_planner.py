@@ -302,3 +302,23 @@ def test_compile_request_carries_a_plan() -> None:
         CompileRequest(mesh="8x4", padding="mask", plan=plan).validate()
     with pytest.raises(CompileError, match="not the plan's"):
         CompileRequest(mesh="2x4", padding="slice", plan=plan).validate()
+
+
+def test_the_text_encoder_on_the_mesh_counts_its_weights_per_chip():
+    """``text_encoder=True``: each plan's memory holds UMT5-XXL's weights as its TP degree splits
+    them, worked from the published config (d_model 4096, 64 heads of 64, d_ff 10240, 24 layers,
+    vocabulary 256384, 32 relative-position buckets per layer): the embedding and the norms whole on
+    every chip, the attention, the gated FFN and each layer's position bias split over TP."""
+    d, inner, ff, layers, vocab, buckets, heads = 4096, 64 * 64, 10240, 24, 256384, 32, 64
+    whole = vocab * d + layers * 2 * d + d  # the embedding, two norms per layer, the final norm
+    split = layers * (4 * d * inner + 3 * d * ff + buckets * heads)
+    report = plan_sharding("2x4", "blackhole", "t2v-a14b", "480p", compile=False, text_encoder=True)
+    checked = 0
+    for c in report.candidates:
+        if c.memory is None or c.plan.fsdp:
+            continue
+        assert c.memory.text_encoder == pytest.approx(2 * (whole + split / c.tp), rel=1e-9), c.plan.name
+        checked += 1
+    assert checked
+    without = plan_sharding("2x4", "blackhole", "t2v-a14b", "480p", compile=False)
+    assert all(c.memory is None or c.memory.text_encoder == 0 for c in without.candidates)

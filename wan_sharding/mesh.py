@@ -275,7 +275,9 @@ def preset_key(name: str) -> str:
     """A preset name as the table spells it (``"2 x 4"``, ``"(2,4)"`` -> ``"2x4"``); MeshError if unknown."""
     key = str(name).lower().replace("(", "").replace(")", "").replace(",", "x").replace(" ", "")
     if key not in PRESET_TABLE:
-        raise MeshError(f"unknown mesh {name!r}; known presets: {', '.join(PRESET_TABLE)}")
+        same = [n for n, row in PRESET_TABLE.items() if "x".join(map(str, row[0])) == key]  # "4x32": a grid, not a name
+        hint = f"the presets of that grid: {', '.join(same)}; " if same else ""
+        raise MeshError(f"unknown mesh {name!r}; {hint}known presets: {', '.join(PRESET_TABLE)}")
     return key
 
 
