@@ -175,7 +175,8 @@ def jobs(tmp_path_factory) -> dict[str, Future]:
         # longest first: jax on three meshes in one 32-device process, the default padding mode
         "compare_jax": pool.submit(compare_in_subprocess, "jax", ["1x4", "2x4", "8x4"], "t2v-a14b", 2),
         "generate": pool.submit(_run, [*cli, "generate", "--backend", "xla", "--mesh", "2x4", "--steps", "2",
-                                       "--padding", "slice", "--text-encoder", "mesh", "--compare", "--out", str(out)],
+                                       "--variant", "i2v-a14b", "--padding", "slice", "--text-encoder", "mesh",
+                                       "--vae", "mesh", "--compare", "--out", str(out)],
                                 "xla", 8),
         "api": pool.submit(_run, [sys.executable, "-c", API_SCRIPT], "xla", 8),
         "prompt_kv": pool.submit(_run, [sys.executable, "-c", PROMPT_KV_SCRIPT], "jax", 8),
@@ -208,14 +209,17 @@ def test_pipeline_latents_match_unsharded_on_every_mesh_jax(jobs):
 
 
 def test_generate_writes_video_and_summary_and_matches_unsharded_xla(jobs):
-    """``generate --mesh 2x4 --text-encoder mesh --compare`` on torch-xla: both experts and the tiny
-    UMT5 encoder sharded, the final latents against the unsharded pipeline's."""
+    """``generate --variant i2v-a14b --mesh 2x4 --text-encoder mesh --vae mesh --compare`` on
+    torch-xla: both experts, the tiny UMT5 encoder and the VAE sharded (the image condition encoded
+    and the video decoded through it), the final latents and the video against the unsharded
+    pipeline's."""
     proc = jobs["generate"].result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[0] == "backend: xla; patches: none; cache: none; cfg: 1; text encoder: mesh; vae: host"
+    assert proc.stdout.splitlines()[0] == "backend: xla; patches: none; cache: none; cfg: 1; text encoder: mesh; vae: mesh"
     assert "compare: final latents sharded vs unsharded PCC" in proc.stdout
+    assert "compare: decoded video (VAE on the mesh) vs unsharded PCC" in proc.stdout
     assert "it/s]" not in proc.stderr  # its stderr is a pipe here: no progress bars
-    summary = json.loads(Path(jobs["out"], "t2v-a14b-xla-2x4-slice.json").read_text())
+    summary = json.loads(Path(jobs["out"], "i2v-a14b-xla-2x4-slice.json").read_text())
     assert summary["backend"] == "xla" and summary["mesh"] == "2x4" and summary["steps"] == 2
     assert summary["experts"] == ["transformer", "transformer_2"]
     assert summary["forwards"] == {"transformer": 2, "transformer_2": 2}
@@ -224,6 +228,10 @@ def test_generate_writes_video_and_summary_and_matches_unsharded_xla(jobs):
     # the tiny UMT5 encoder ran on the mesh, not prompt embeddings given: the prompt and the negative prompt
     assert summary["text_encoder"] == "mesh" and summary["text_encoder_calls"] == 2, summary
     assert summary["text_encoder_params"]["embedding_colwise"] == 2
+    # the image condition encoded and the video decoded on the mesh, by the pipeline's own __call__
+    assert summary["vae"] == "mesh" and summary["vae_calls"] == {"decode": 1, "encode": 1}, summary
+    assert summary["vae_split"] == "H/2 on sp, W/4 on tp"
+    assert summary["video_ok"] and summary["video_pcc"] >= PCC_MIN and summary["video_max_abs"] <= MAX_ABS, summary
     assert len(summary["step_seconds"]) == 2 and summary["seconds"] > 0
     from PIL import Image
 
