@@ -17,10 +17,12 @@ the CPU PCC matrix, and the per-video stage estimates beside tt-metal's publishe
 4. The stage table (``planner/vae.py``): text encoder, denoising and VAE per video for BH 2x4 480p,
    BH Galaxy 720p and BH 4x32 720p beside tt-metal's bounds and measured figures.
 
-    python scripts/bench_vae.py                 # everything (~45 min on a 2-core host)
+    python scripts/bench_vae.py                 # everything (19 min on a quiet 2-core host)
     python scripts/bench_vae.py --skip-check --skip-compile
 
-Writes ``results/vae.json`` (1-3) and ``results/stages.json`` (4).
+Writes ``results/vae.json`` (1-3; a part skipped keeps its last run, marked ``carried_over``) and
+``results/stages.json`` (4), then rewrites the figure blocks of docs/vae.md and
+docs/pipeline-stages.md from them (``scripts/docs_figures.py``).
 """
 
 from __future__ import annotations
@@ -153,8 +155,25 @@ def main() -> int:
     if not args.skip_check:
         result["check"] = check_rows()
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    atomic_write(Path(args.out) / "vae.json", json.dumps(result, indent=1) + "\n")
+    import docs_figures  # scripts/, beside this one: the pages quote these files
+
+    pages = Path(args.out).resolve() == ROOT / "results"  # the docs quote results/, not another --out
+
+    if args.skip_cpu and args.skip_compile and args.skip_check:  # the stage table alone: vae.json stays as it was
+        if pages:
+            print("\n".join(docs_figures.update(["stages"])) or "docs/pipeline-stages.md unchanged")
+        return 0
+    previous = Path(args.out) / "vae.json"
+    old = json.loads(previous.read_text()) if previous.exists() else {}
+    for part in ("cpu", "compile", "check"):  # a part skipped keeps its last run, which says so
+        if part not in result and part in old:
+            result[part] = old[part]
+            result.setdefault("carried_over", {})[part] = old.get("carried_over", {}).get(part, old.get("date"))
+    atomic_write(previous, json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}/vae.json and stages.json in {result['seconds']:.0f} s")
+    if pages:
+        print("\n".join(docs_figures.update(["stages", "vae-strategies", "vae-bills", "vae-check", "vae-cpu"]))
+              or "docs/vae.md and docs/pipeline-stages.md unchanged")
     return 0
 
 

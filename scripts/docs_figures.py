@@ -198,6 +198,130 @@ def serve(root: Path) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------- the VAE and the stages
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _bill(r: dict | None) -> str:
+    """One compiled decode step: collectives, largest (and the frame limit when over), halo bytes,
+    all bytes, runtime ops, bill."""
+    if r is None:
+        return "-"
+    if r.get("skipped"):
+        return "skipped: more than this host's memory"
+    if not r.get("ok"):
+        return "refused"
+    largest = _mib(r["largest_collective_bytes"])
+    if not r["bill_ok"]:
+        largest += f" (frame {_mib(r['frame_limit_bytes'])})"
+    return (f"{r['collective_count']}, {largest}, {r['halo_bytes'] / 2**20:.1f}, {_mib(r['collective_bytes'])}, "
+            f"{r['runtime_ops']}, {'ok' if r['bill_ok'] else '**over**'}")
+
+
+def _vae_compiles(d: dict) -> dict[tuple, dict]:
+    return {(q["kind"], q["mesh"], q["resolution"], q["strategy"], q["frontend"], q.get("step", "first")): r
+            for r in d["compile"] for q in [r["request"]]}
+
+
+STRATEGY_WORDS = {
+    "halo": "this package's: boundary rows all-gathered, selected, shards folded into the batch",
+    "halo-permute": "the same exchange as shifts on the split rows (collective-permutes)",
+    "annotate": "only the frame's H/W annotations; each conv as the module has it (what Shardy makes of a split conv)",
+    "channels": "tt-xla's channel-parallel recipe (`tests/torch/models/wan14b/shared.py`, `shard_vae_decoder_specs`): "
+                "per residual block conv1 out-channels / norm2 / conv2 in-channels split on the longer axis",
+}
+
+
+def vae_strategies(root: Path) -> str:
+    d = _load(root, "vae.json")
+    runs = _vae_compiles(d)
+    lines = [f"`python scripts/bench_vae.py` ({_date(d)}, `results/vae.json`), Wan 2.1, the first latent frame's step "
+             "at 480p on 2x4, torchax:", "",
+             "| strategy | what it is | tt-mlir | collectives | largest | halo bytes | all bytes | runtime ops | bill |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for strategy, words in STRATEGY_WORDS.items():
+        r = runs.get(("wan2.1", "2x4", "480p", strategy, "torchax", "first"))
+        if r is None or not r.get("ok"):
+            why = "" if r is None else "; ".join((r.get("error") or "").strip().splitlines()[-1].split("; ")[:2])
+            lines.append(f"| `{strategy}` | {words} | refuses: `{why}` | - | - | - | - | - | - |")
+            continue
+        kinds = sorted({c["kind"] for c in r["collectives"]} - {"mesh_partition"})
+        lines.append(f"| `{strategy}` | {words} | compiles | {r['collective_count']} {', '.join(kinds)} | "
+                     f"{_mib(r['largest_collective_bytes'])} | {_mib(r['halo_bytes'])} | {_mib(r['collective_bytes'])} | "
+                     f"{r['runtime_ops']} | {'ok' if r['bill_ok'] else 'over'} |")
+    return "\n".join(lines)
+
+
+def vae_bills(root: Path) -> str:
+    d = _load(root, "vae.json")
+    runs = _vae_compiles(d)
+    lines = ["| VAE | mesh | res | step | `halo`, torchax | `halo`, torch-xla | `channels` (tt-xla's), torchax |",
+             "|---|---|---|---|---|---|---|"]
+    keys = sorted({(k[0], k[2], k[1], k[5]) for k in runs if k[3] == "halo"},
+                  key=lambda k: (k[0], k[1], k[2], k[3] != "first"))
+    for kind, res, mesh, step in keys:
+        cell = lambda s, f: _bill(runs.get((kind, mesh, res, s, f, step)))  # noqa: E731
+        name = {"wan2.1": "Wan 2.1", "wan2.2": "Wan 2.2"}[kind]
+        lines.append(f"| {name} | {mesh} | {res} | {step} | {cell('halo', 'torchax')} | {cell('halo', 'torch-xla')} | "
+                     f"{cell('channels', 'torchax')} |")
+    return "\n".join(lines)
+
+
+def vae_check(root: Path) -> str:
+    d = _load(root, "vae.json")
+    rows = d["check"]
+    fp32 = [r for r in rows if r["dtype"] == "fp32" and r.get("exchange") != "none"]
+    bf16 = [r for r in rows if r["dtype"] == "bf16" and r.get("exchange") != "none"]
+    meshes = sorted({r["mesh"] for r in rows})
+    return (f"`check --component vae` on {', '.join(meshes)} with {' and '.join(sorted({r['backend'] for r in rows}))}, "
+            f"both VAEs, fp32 and bf16 ({len(rows)} rows, `python scripts/bench_vae.py`, {_date(d)}, `results/vae.json`): "
+            f"{sum(r['ok'] for r in rows)} within the grade; fp32 PCC >= {min(r['pcc'] for r in fp32):.12f}, "
+            f"max|diff| <= {max(r['max_abs'] for r in fp32):.1e}; bf16 PCC >= {min(r['pcc'] for r in bf16):.5f}.")
+
+
+def vae_cpu(root: Path) -> str:
+    d = _load(root, "vae.json")
+    r0 = d["cpu"][0]
+    lines = [f"`python scripts/bench_vae.py` ({_date(d)}, {r0['backend']}, {r0['dtype']}, latent "
+             f"{' x '.join(map(str, r0['latent']))}, warm median per latent frame, `results/vae.json`):", "",
+             "| VAE | mesh | split | host decode | sharded decode | first sharded call (compiles) |",
+             "|---|---|---|---|---|---|"]
+    for r in d["cpu"]:
+        lines.append(f"| {r['vae']} | {r['mesh']} | {r['split']} | {r['host_per_frame_s']:.2f} s | "
+                     f"{r['per_frame_s']:.2f} s | {r['first_iter_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+SYSTEM_WORDS = {"bh-2x4": "BH 2x4", "bh-galaxy": "BH Galaxy (8x4)", "bh-4x32": "BH 4x32"}
+MEASURED_SOURCE = {"bh-2x4": " (#41873)", "bh-galaxy": " traced (#45975)"}
+
+
+def stages(root: Path) -> str:
+    d = _load(root, "stages.json")
+    lines = [f"`{d['command'].strip()}` ({_date(d)}), Blackhole, seconds per video (`results/stages.json`):", "",
+             "| system | res | stage | estimate | tt-metal bound | tt-metal measured |", "|---|---|---|---|---|---|"]
+    memory = []
+    for r in d["rows"]:
+        system = SYSTEM_WORDS.get(r["system"], r["system"])
+        for stage, words in (("text_encoder", "text encoder"), ("denoising", "denoising"), ("vae", "VAE")):
+            s = r["stages"][stage]
+            est = (f"{s['seconds']:.2f} (compute {s['compute_s']:.2f}, halo {s['comm_s']:.2f})" if stage == "vae"
+                   else f"{s['seconds']:.3g}")
+            measured = r["tt_metal_measured_s"].get(stage)
+            measured = "-" if measured is None else f"{measured:g}{MEASURED_SOURCE.get(r['system'], '')}"
+            lines.append(f"| {system} | {r['resolution']} | {words} | {est} | {r['tt_metal_bound_s'][stage]:g} | "
+                         f"{measured} |")
+        m = r["vae_memory_per_chip"]
+        memory.append(f"{m['total_gb']:.2f} GB on {system} at {r['resolution']} (weights {m['weights_gb']:.2f}, cache "
+                      f"{m['cache_gb']:.2f}, activations {m['activations_gb']:.2f})")
+    lines += ["", "The VAE's memory per chip while it decodes (bf16; replicated weights, the time cache and the decode "
+              "step's working set split over the mesh): " + "; ".join(memory) + "."]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------- blocks and pages
 
 
@@ -215,6 +339,11 @@ BLOCKS: dict[str, Block] = {
     "fuzz": Block("docs/check.md", fuzz, "results/fuzz.json"),
     "profile": Block("docs/pipelines.md", profile, "results/profile.json"),
     "serve": Block("docs/serving.md", serve, "results/serve.json"),
+    "vae-strategies": Block("docs/vae.md", vae_strategies, "results/vae.json"),
+    "vae-bills": Block("docs/vae.md", vae_bills, "results/vae.json"),
+    "vae-check": Block("docs/vae.md", vae_check, "results/vae.json"),
+    "vae-cpu": Block("docs/vae.md", vae_cpu, "results/vae.json"),
+    "stages": Block("docs/pipeline-stages.md", stages, "results/stages.json"),
 }
 
 

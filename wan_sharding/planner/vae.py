@@ -159,8 +159,8 @@ class StageEstimate:
         return self.compute_s + self.comm_s
 
     def to_json(self) -> dict[str, Any]:
-        return {"stage": self.stage, "seconds": round(self.seconds, 3), "compute_s": round(self.compute_s, 3),
-                "comm_s": round(self.comm_s, 3), "tflop": round(self.flops / 1e12, 2)}
+        return {"stage": self.stage, "seconds": round(self.seconds, 4), "compute_s": round(self.compute_s, 4),
+                "comm_s": round(self.comm_s, 4), "tflop": round(self.flops / 1e12, 2)}
 
 
 def _mesh_tflops(arch: str, chips: int) -> float:
