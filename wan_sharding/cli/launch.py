@@ -44,21 +44,35 @@ def _grids(args: argparse.Namespace) -> list[tuple[str, tuple[int, ...]]]:
              else parse_mesh_shape(n)) for n in names]
 
 
-def check_binding(args: argparse.Namespace) -> None:
-    """``--rank-binding`` on a command that plans or compiles (no launch): the mesh (or plan) must
-    be its global mesh, the chips its architecture."""
-    from ..systems import BindingError, check_binding_grid, rank_binding
-
-    system = rank_binding(args.rank_binding)
-    plan = getattr(args, "plan", None)
-    if plan is not None and plan.rank_binding and plan.rank_binding != system.name:
-        raise UsageError(f"--rank-binding {system.name} contradicts the plan's rank binding {plan.rank_binding}; leave "
+def _binding_name(args: argparse.Namespace) -> str | None:
+    """The rank binding asked for: ``--rank-binding``, or the plan's; refused when they differ."""
+    name, plan = getattr(args, "rank_binding", None), getattr(args, "plan", None)
+    if plan is None or not plan.rank_binding:
+        return name
+    if name and name != plan.rank_binding:
+        raise UsageError(f"--rank-binding {name} contradicts the plan's rank binding {plan.rank_binding}; leave "
                          "--rank-binding out with --plan")
+    return plan.rank_binding
+
+
+def _check_grids(system: Any, args: argparse.Namespace) -> None:
+    """Every mesh the command runs on must be ``system``'s global mesh."""
+    from ..systems import BindingError, check_binding_grid
+
     try:
         for what, grid in _grids(args):
             check_binding_grid(system, grid, what)
     except BindingError as e:
         raise UsageError(str(e)) from None
+
+
+def check_binding(args: argparse.Namespace) -> None:
+    """``--rank-binding`` on a command that plans or compiles (no launch): the mesh (or plan) must
+    be its global mesh, the chips its architecture."""
+    from ..systems import rank_binding
+
+    system = rank_binding(_binding_name(args))
+    _check_grids(system, args)
     if getattr(args, "arch", system.arch) != system.arch:
         raise UsageError(f"--arch {args.arch} contradicts --rank-binding {system.name} ({system.machine}: "
                          f"{system.arch} chips); pass --arch {system.arch}")
@@ -72,22 +86,16 @@ def check_launch(args: argparse.Namespace, backends: list[str]) -> None:
     (:func:`wan_sharding.backends.tt_distributed.resolve_launch`), several serve replicas, and an
     environment that turns tt-xla's distributed runtime on without a binding."""
     from ..backends.tt_distributed import LAUNCH_FLAGS, LaunchError, inherited_problem, resolve_launch
-    from ..systems import BindingError, check_binding_grid, rank_binding
+    from ..systems import BindingError, rank_binding
 
     args.distributed = None
     flag = "--backends" if hasattr(args, "backends") else "--backend"
-    plan = getattr(args, "plan", None)
     given = [f for f in ("--rank-binding", *LAUNCH_FLAGS, "--dry-run") if getattr(args, f[2:].replace("-", "_"), None)]
     if "tt" not in backends:
         if given:
             raise UsageError(f"{given[0]} is for a launch on Tenstorrent hardware; add {flag} tt")
         return
-    name = args.rank_binding
-    if plan is not None and plan.rank_binding:
-        if name and name != plan.rank_binding:
-            raise UsageError(f"--rank-binding {name} contradicts the plan's rank binding {plan.rank_binding}; leave "
-                             "--rank-binding out with --plan")
-        name = plan.rank_binding
+    name = _binding_name(args)
     if name is None:
         hosts = [f for f in given if f in LAUNCH_FLAGS]
         if hosts:
@@ -102,9 +110,7 @@ def check_launch(args: argparse.Namespace, backends: list[str]) -> None:
         raise UsageError(f"--replicas {args.replicas} with --rank-binding {name}: tt-xla's distributed runtime has one "
                          "controller for all its hosts, so the server runs one worker; use --replicas 1")
     try:
-        system = rank_binding(name)
-        for what, grid in _grids(args):
-            check_binding_grid(system, grid, what)
+        _check_grids(rank_binding(name), args)
         launch = resolve_launch(name, args.hosts, args.hostfile, args.controller, args.tcp_iface, args.rsh_agent,
                                 dry_run=args.dry_run)
     except (BindingError, LaunchError) as e:
