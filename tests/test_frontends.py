@@ -6,6 +6,7 @@ each compile to seconds. Full-width comparisons are in scripts/bench_frontends.p
 
 from __future__ import annotations
 
+import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from conftest import stock_rotary_in_bf16
 from wan_sharding import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
 from wan_sharding.compile import BlockBill, CompileRequest, compile_reports, sysdesc
 from wan_sharding.compile.bill import BillEntry, attention_report, bill_problems, design_bytes
-from wan_sharding.compile.ttnn_ir import ttir_attention
+from wan_sharding.compile.ttnn_ir import TTNNModule, ttir_attention
 from wan_sharding.fused_sdpa import FusedSDPA, sdpa_math
 from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import LatentShape, build_dit, config_for, dit_inputs
@@ -234,6 +235,33 @@ def test_every_runtime_op_of_a_block_gets_a_cause(reports, frontend):
         reports["torchax/1x4"]["runtime_ops_per_block_by_cause"]
     assert kv["projections"] < plain["projections"] and kv["norms"] < plain["norms"]
     assert kv["RoPE"] == plain["RoPE"] and kv["adaLN"] == plain["adaLN"]
+
+
+# One block's fused forms, as tt-mlir writes them at level 1 with the rope and adaln_norm patches
+# (shapes of the 2x4 480p step): the fused RoPE and a heads-first table multiply, the adaLN vectors
+# made into the LayerNorm's (D,) weight and bias, the fused head merge.
+_FUSED_TTNN = textwrap.dedent("""\
+    %1 = "ttnn.rotary_embedding"(%arg0, %arg1, %arg2) : (tensor<1x10x16384x128xf32>, tensor<1x1x16384x128xf32>, tensor<1x1x16384x128xf32>) -> tensor<1x10x16384x128xf32> loc(#l)
+    %2 = "ttnn.multiply"(%arg3, %arg1) : (tensor<1x10x16384x128xf32>, tensor<1x1x16384x128xf32>) -> tensor<1x10x16384x128xf32> loc(#l)
+    %3 = "ttnn.silu"(%arg4) : (tensor<1x5120xf32>) -> tensor<1x5120xf32> loc(#l)
+    %4 = "ttnn.reshape"(%3) <{shape = [1 : i32, 1 : i32, 5120 : i32]}> : (tensor<1x5120xf32>) -> tensor<1x1x5120xf32> loc(#l)
+    %5 = "ttnn.add"(%4, %arg5) : (tensor<1x1x5120xf32>, tensor<1x1x5120xf32>) -> tensor<1x1x5120xf32> loc(#l)
+    %6 = "ttnn.reshape"(%5) <{shape = [5120 : i32]}> : (tensor<1x1x5120xf32>) -> tensor<5120xf32> loc(#l)
+    %7 = "ttnn.add"(%6, %arg6) : (tensor<5120xf32>, tensor<1xf32>) -> tensor<5120xf32> loc(#l)
+    %8 = "ttnn.layer_norm"(%arg7, %7, %6) <{epsilon = 9.99999997E-7 : f32}> : (tensor<1x16384x5120xf32>, tensor<5120xf32>, tensor<5120xf32>) -> tensor<1x16384x5120xf32> loc(#l)
+    %9 = "ttnn.concatenate_heads"(%1) : (tensor<1x10x16384x128xf32>) -> tensor<1x16384x1280xf32> loc(#l)
+""")
+
+
+def test_the_fused_rope_adaln_norm_and_head_merge_get_their_causes():
+    from wan_sharding.compile import causes
+
+    (nodes,) = causes.step_functions(TTNNModule.parse(_FUSED_TTNN))
+    causes.classify(nodes)
+    assert [(n.name, n.cause) for n in nodes] == [
+        ("rotary_embedding", "RoPE"), ("multiply", "RoPE"), ("silu", "projections"), ("reshape", "adaLN"),
+        ("add", "adaLN"), ("reshape", "adaLN"), ("add", "adaLN"), ("layer_norm", "norms"),
+        ("concatenate_heads", "heads")]
 
 
 @needs_plugin
