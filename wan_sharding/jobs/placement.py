@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..workers import WorkerError, run_worker, worker_main
+from ..runtime.workers import WorkerError, run_worker, worker_main
 from .launch import plan_devices, stall_seconds, worker_env
 
 
