@@ -28,12 +28,13 @@ import torch
 from .backends import Backend, get_backend
 from .backends.base import move_module
 from .dit.activation import SPHandle, apply_dit_sp_activation_sharding, check_sp
+from .dit.specs import check_wan_model, shard_dit_specs
 from .hooks import has_sp
 from .mesh import MeshSpec, as_mesh_spec
 from .options import DEFAULT_PADDING, PADDING_NAMES
 from .patches import apply_patches, check_patches
 from .plan import PlanError, ShardingPlan
-from .specs import ShardingError, ShardSpecs, check_wan_model, shard_dit_specs
+from .specs import ShardingError, ShardSpecs
 
 __all__ = ["DitHandle", "OnResolved", "Resolved", "ShardHandle", "check_dit", "host_tensors", "model_device", "resolve",
            "shard_dit", "shard_module"]

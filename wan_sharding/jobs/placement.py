@@ -36,7 +36,7 @@ def _verify(p: dict[str, Any]) -> list[dict[str, Any]]:
     from ..plan import ShardingPlan
     from ..planner.weights import predicted_weight_bytes
     from ..planner.workload import BF16, EXPERTS
-    from ..specs import shard_dit_specs
+    from ..dit.specs import shard_dit_specs
     from .launch import prepare_worker
 
     prepare_worker("jax")
