@@ -16,7 +16,7 @@ import torch
 from wan_sharding.backends.torchax_ops import _add, _neg, _sub, install_lean_lowerings
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 from wan_sharding.patches import apply_patches
-from wan_sharding.attention import apply_rotary
+from wan_sharding.dit.attention import apply_rotary
 from wan_sharding.patches.processor import heads_first_rotary
 from wan_sharding.patches.rope import half_layout
 
