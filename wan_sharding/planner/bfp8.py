@@ -6,7 +6,7 @@ add`` chain in bfp8 (``BFP_BFloat8``): the row-parallel projections' partial sum
 in Tenstorrent's block floating point. ``BFP_BFloat8`` keeps one 8-bit exponent per block of 16
 values (a row of a 16x16 tile face) and a sign and 7 mantissa bits per value: 1 byte a value plus
 1/16 for the exponent, against 2 for bf16 (tenstorrent/tt-metal ``tt_metal/api/tt-metalium/
-bfloat8.hpp``, ``pack_fp32_vec_as_bfp8_tiles``; TT-Metalium documentation, "Data formats").
+bfloat8.hpp``, ``pack_fp32_vec_as_bfp8_tiles``).
 
 :func:`bfp8_round` emulates that rounding on the CPU (values scaled to the block's largest
 exponent, rounded to nearest, 7 bits kept), and :func:`emulate_bfp8_collectives` applies it, on one
