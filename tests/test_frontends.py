@@ -20,6 +20,7 @@ from wan_sharding.compile.ttnn_ir import TTNNModule, ttir_attention
 from wan_sharding.fused_sdpa import FusedSDPA, sdpa_math
 from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import LatentShape, build_dit, config_for, dit_inputs
+from wan_sharding.plan import ShardingPlan
 
 needs_plugin = pytest.mark.skipif(sysdesc.installed_plugin_version() is None,
                                   reason="jax-tt-plugin is not installed")
@@ -51,6 +52,11 @@ def reports(tmp_path_factory) -> dict[str, dict]:
         "torchax/1x4": _tiny("torchax", mesh="1x4", padding="none"),  # SP 1: nothing to pad
         "torchax/1x4/prompt_kv": _tiny("torchax", mesh="1x4", padding="none", patches=("prompt_kv",)),
         "torchax/8x4": _tiny("torchax", mesh="8x4"),
+        # tt-metal's layout: the residual split on D over TP between the projections (SP 1: tt-mlir
+        # rejects sharded D with SP > 1, docs/tt-mlir-notes.md), fused QKV as tt-metal has it
+        "torchax/sharded-1x4": CompileRequest.for_plan(
+            ShardingPlan(mesh_shape=(1, 4), sp_axes=(), tp_axes=("tp",), layout="sharded", padding="none"),
+            variant="t2v-a14b", size="tiny", blocks=2, latent=(3, 10, 14), frontend="torchax", patches=("qkv",)),
         "torchax/rope": _tiny("torchax", patches=("rope",)),
         "torchax/unmarked": _tiny("torchax", mark_arguments=False),
         "torch-xla/prompt_kv": _tiny("torch-xla", patches=("prompt_kv",)),
@@ -262,6 +268,29 @@ def test_the_fused_rope_adaln_norm_and_head_merge_get_their_causes():
         ("rotary_embedding", "RoPE"), ("multiply", "RoPE"), ("silu", "projections"), ("reshape", "adaLN"),
         ("add", "adaLN"), ("reshape", "adaLN"), ("add", "adaLN"), ("layer_norm", "norms"),
         ("concatenate_heads", "heads")]
+
+
+@needs_plugin
+def test_the_sharded_residual_plan_has_the_forms_fused_collectives_match(reports):
+    """tt-mlir #9028 / #9066 fuse ``linear(all_gather(x, last dim))`` (the gather's only use) and
+    ``reduce_scatter(linear(x), last dim)`` (the matmul's only use). With the residual split on D,
+    every block has three of each, nothing between: QKV, attn2's query and the FFN's first layer
+    read a gather of D; attn1's and attn2's outputs and the FFN's second layer are scattered on D."""
+    from pathlib import Path
+
+    from wan_sharding.compile.ccl_fusion import GATHER_MATMUL, MATMUL_SCATTER, fused_ccl_sites
+
+    r = reports["torchax/sharded-1x4"]
+    assert r["ok"], r.get("error")
+    sites = fused_ccl_sites(Path(r["ttir_path"]).read_text())
+    assert [s for s in sites if not s.fusable] == []
+    cfg = config_for("t2v-a14b")
+    blocks, tokens, dim = 2, 3 * 5 * 7, cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    on_tokens = [s for s in sites if s.gathered_or_scattered[:-1] == (1, tokens)]
+    assert [s.gathered_or_scattered for s in on_tokens if s.kind == GATHER_MATMUL] == [(1, tokens, dim)] * 3 * blocks
+    assert [s.gathered_or_scattered for s in on_tokens if s.kind == MATMUL_SCATTER] == [(1, tokens, dim)] * 3 * blocks
+    # the replicated layout has none of them (its row-parallel outputs are all-reduced)
+    assert fused_ccl_sites(Path(reports["torchax/1x4"]["ttir_path"]).read_text()) == []
 
 
 @needs_plugin
