@@ -54,6 +54,10 @@ def test_bfp8_collectives_are_an_opt_in_option_sent_only_when_on():
     assert effective_options(on, "wormhole_b0")[0].activation_dtype_lowering
     with pytest.raises(ValueError, match="enable_activation_dtype_lowering must be true or false"):
         CompileOptions.parse("enable_activation_dtype_lowering=bfp8")
+    # jax-tt-plugin 0.1.3 fails such a compile ("No such compile option"): refused before any worker
+    if sysdesc.installed_plugin_version() == "0.1.3":
+        with pytest.raises(CompileError, match="not one jax-tt-plugin 0.1.3 parses"):
+            CompileRequest(size="tiny", mesh="1x4", compile_options="enable_activation_dtype_lowering=true").validate()
 
 
 @pytest.mark.parametrize("text,expect", [

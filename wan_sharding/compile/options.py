@@ -30,6 +30,10 @@ PLUGIN_KEYS = {
 # only when on. ``enable_activation_dtype_lowering`` (tt-xla #5396; tt-mlir's TTNN
 # ``TTNNCCLActivationDtypeLowering``, #8701): a matmul -> collective -> add chain runs in bfp8.
 OPT_IN_KEYS = {"activation_dtype_lowering": "enable_activation_dtype_lowering"}
+# Opt-in options a plugin version does not parse: it fails the compile ("No such compile option").
+# jax-tt-plugin 0.1.3's tt-mlir has the bfp8 pass (``ttnn-ccl-activation-dtype-lowering``), but its
+# tt-xla does not take the option that turns it on (seen here, 2026-12-06).
+NOT_IN_PLUGIN = {"0.1.3": ("activation_dtype_lowering",)}
 LEVELS = (0, 1, 2)
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -130,6 +134,16 @@ class CompileOptions:
         keys = {**PLUGIN_KEYS, **OPT_IN_KEYS}
         return [f"{keys[f.name]}={_str(getattr(self, f.name))} (hardware: {_str(getattr(other, f.name))})"
                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def check_plugin_support(options: CompileOptions, plugin_version: str | None) -> None:
+    """ValueError (one line) when ``options`` turn on an opt-in option the installed plugin does not
+    parse (:data:`NOT_IN_PLUGIN`), before any worker starts."""
+    for name in NOT_IN_PLUGIN.get(plugin_version or "", ()):
+        if getattr(options, name):
+            raise ValueError(f"compile option {OPT_IN_KEYS[name]} is not one jax-tt-plugin {plugin_version} parses (its "
+                             "tt-mlir has the pass, its tt-xla not the option: 'No such compile option'); leave it out, "
+                             "or install a plugin that takes it")
 
 
 def effective_options(requested: CompileOptions, arch: str,
