@@ -207,7 +207,7 @@ def test_patches_that_allow_it_also_compose_after_sp():
     inputs = dit_inputs("t2v-a14b", PADDED)
     ref = _eager(dit, inputs)
     late = [n for n, p in PATCHES.items() if p.after_sp]
-    assert late == ["patchify", "rope_tables", "prompt_kv", "ffn_rows", "adaln_bf16"]
+    assert late == ["patchify", "rope_tables", "prompt_kv", "ffn_rows", "adaln_norm", "adaln_bf16"]
     out, *_, sp, patches = _sharded(dit, inputs, "2x4", "mask", late, sp_first=True)
     patches.remove()  # allowed with SP still on
     sp.remove()
