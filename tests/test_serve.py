@@ -543,6 +543,9 @@ def test_the_key_and_the_size_are_checked_before_the_body_is_read(server, refere
 
     r = server.http.post(G, content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "65,536-byte limit" in r.json()["error"]
+    upload = f"POST {G}/i2v/upload HTTP/1.1\nHost: x\nAuthorization: Bearer {KEY}\nContent-Length: {300 << 20}\n"
+    answer = _raw(server, upload + "Content-Type: multipart/form-data; boundary=b\n", b"--b\r\n")
+    assert answer.startswith(b"HTTP/1.1 413") and b"10,551,296-byte limit" in answer  # an image and 64 KiB
 
 
 def test_a_job_list_one_odd_row_cannot_break_and_it_pages(server, store, reference):
@@ -632,6 +635,45 @@ def test_messages_keys_and_the_clients_file_names(server, tmp_path):
     finally:
         http.shutdown()
         http.server_close()
+
+
+def test_finished_jobs_past_the_retention_rule_go_with_their_files(tmp_path):
+    """The store's retention rule on a real SQLite file and real video files: finished jobs past
+    --keep-days or beyond the newest --keep-jobs are removed with their videos; queued ones never."""
+    from wan_sharding.serve.store import Store
+
+    store = Store.open(tmp_path / "s")
+    try:
+        req = {"prompt": "a fox", "num_inference_steps": 2}
+        ids = [store.create(req, "m")["id"] for _ in range(5)]
+        for i, job_id in enumerate(ids[:4]):  # four finished, one still queued
+            assert store.start(job_id)
+            (store.videos / f"{job_id}.mp4").write_bytes(b"video")
+            assert store.complete(job_id, f"{job_id}.mp4", {})
+        with sqlite3.connect(tmp_path / "s" / "jobs.sqlite3") as db:  # the first one ended 10 days ago
+            db.execute("UPDATE jobs SET finished=? WHERE id=?", (time.time() - 10 * 86400, ids[0]))
+        assert store.prune(keep_seconds=7 * 86400, keep_jobs=None) == 1
+        assert store.prune(keep_seconds=None, keep_jobs=2) == 1  # the newest 2 finished stay
+        assert [j["id"] for j in store.list()] == ids[2:]
+        assert sorted(p.name for p in store.videos.iterdir()) == sorted(f"{i}.mp4" for i in ids[2:4])
+    finally:
+        store.close()
+
+
+def test_the_prompt_cache_is_bounded_in_keys_and_values():
+    """100 distinct 5 MiB prompts: the cache keeps each one's 32-byte digest, not the prompt, and its
+    bytes (keys included) stay within the bound it reports."""
+    import torch
+
+    from wan_sharding.serve.embeddings import KEY_BYTES, PromptEmbeddings
+
+    cache = PromptEmbeddings(lambda prompt, n: torch.full((1, n, 32), float(len(prompt))), 64 * 1024)
+    for i in range(100):
+        cache.get(f"{i:03d}" + "x" * (5 << 20), 16)
+    stats = cache.stats()
+    assert stats["bytes"] <= stats["max_bytes"] and stats["entries"] == 64 * 1024 // (16 * 32 * 4 + KEY_BYTES)
+    assert stats["bytes"] == stats["entries"] * (16 * 32 * 4 + KEY_BYTES)
+    assert all(len(key[0]) == 32 for key in cache._kept)
 
 
 def test_a_second_server_on_the_same_port_or_store_is_refused(server, store, tmp_path):
