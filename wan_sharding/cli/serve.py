@@ -16,6 +16,7 @@ from .pipeline import add_pipeline_source, worker_params
 from .launch import binding_mesh, check_launch
 from .vae import add_vae_placement
 from .validate import (
+    REQUEST_FLAGS,
     UsageError,
     apply_plan,
     check_counts,
@@ -56,11 +57,8 @@ def check_serve(args: argparse.Namespace) -> None:
                          "another key")
     from ..serve.server import request_limits
 
-    limits = request_limits({**vars(args), "plan": None})
     check_limits({"num_inference_steps": args.steps, "num_frames": args.frames, "height": args.height,
-                  "width": args.width}, limits, names={k: f"--{f}" for k, f in (
-                      ("num_inference_steps", "steps"), ("num_frames", "frames"), ("height", "height"),
-                      ("width", "width"))})
+                  "width": args.width}, request_limits({**vars(args), "plan": None}), REQUEST_FLAGS)
     if args.keep_days < 0 or args.keep_jobs < 0:
         raise UsageError(f"--keep-days {args.keep_days:g} --keep-jobs {args.keep_jobs}: must be >= 0 (0: no bound)")
     output_dir(args.store, "--store")
@@ -76,18 +74,12 @@ def _validate_serve(args: argparse.Namespace) -> None:
     check_launch(args, [args.backend])
 
 
-# submit's names for the request fields, in the messages of the request rules
-SUBMIT_FLAGS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
-                "num_frames": "--frames", "height": "--height", "width": "--width", "seed": "--seed",
-                "guidance_scale": "--guidance-scale"}
-
-
 def _validate_submit(args: argparse.Namespace) -> None:
     server_url(args.server)
     # the rules any server applies, with the widest defaults (a checkpoint's); the server checks its own
     check_limits({"prompt": args.prompt, "negative_prompt": args.negative_prompt, "num_inference_steps": args.steps,
                   "num_frames": args.frames, "height": args.height, "width": args.width, "seed": args.seed,
-                  "guidance_scale": args.guidance_scale}, RequestLimits(frames=121), SUBMIT_FLAGS)
+                  "guidance_scale": args.guidance_scale}, RequestLimits(frames=121), REQUEST_FLAGS)
     output_dir(args.out, "--out")
     if args.image is not None:
         from ..serve.client import read_image

@@ -318,8 +318,8 @@ def apply_plan(args: argparse.Namespace, default_mesh: str | list[str], mesh_fla
 # ---- whole commands (called first thing in the command, before any worker starts) ---------------
 
 
-# generate's names for the request fields, in the messages of the request rules (jobs/requests.py)
-GENERATE_FLAGS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
+# the command line's names for the request fields, in the messages of the request rules (jobs/requests.py)
+REQUEST_FLAGS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
                   "num_frames": "--frames", "height": "--height", "width": "--width", "seed": "--seed",
                   "guidance_scale": "--guidance-scale"}
 
@@ -344,7 +344,7 @@ def check_generate(args: argparse.Namespace) -> None:
     limits = dataclasses.replace(default_limits(args.variant, args.model), steps=GENERATE_MAX_STEPS)
     check_limits({"prompt": args.prompt, "negative_prompt": args.negative_prompt, "num_inference_steps": args.steps,
                   "num_frames": args.frames, "height": args.height, "width": args.width, "seed": args.seed,
-                  "guidance_scale": args.guidance_scale}, limits, GENERATE_FLAGS)
+                  "guidance_scale": args.guidance_scale}, limits, REQUEST_FLAGS)
     from ..jobs.generate import output_files
     from ..pipeline.tiny import checkpoint_variant
 

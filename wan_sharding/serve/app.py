@@ -14,13 +14,15 @@ the clients tt-inference-server ships for it work unchanged:
 - ``GET /v1/videos/generations/{id}``: the job; ``.../download``: the video (``video/mp4``), 404
   until the job is completed; ``POST .../cancel``: the job (``cancelled``, or ``cancelling`` until
   its step ends), 404 for a job that already ended.
-- ``GET /v1/videos/jobs``: every job in the store, oldest first (a JSON list).
-- ``GET /health``: 200 while a worker is warm, 503 with the reason otherwise, and each worker's
-  state; ``GET /metrics``: Prometheus text.
+- ``GET /v1/videos/jobs``: a page of jobs, oldest first (a JSON list; ``?limit=``, ``?after=``, a
+  ``Link`` to the next page).
+- ``GET /health``: 200 while a worker is warm and the store can be written, 503 with the reason
+  otherwise (``degraded`` for the store), and each worker's state; ``GET /metrics``: Prometheus text.
 
-An error body is ``{"error": <line>, "detail": <line>}`` (``detail``: where FastAPI clients look).
-With an API key every endpoint but ``/health`` needs ``Authorization: Bearer <key>`` (401); without
-one such a header is accepted and ignored (tt-media-server's clients always send one).
+Every request is within :class:`~wan_sharding.jobs.requests.RequestLimits` before anything is
+stored (422 naming the limit). An error body is ``{"error": <line>, "detail": <line>}`` (``detail``:
+where FastAPI clients look), without host paths. The API key and the body's size are checked before
+this app sees a request (:mod:`.guard`).
 """
 
 from __future__ import annotations
