@@ -42,7 +42,7 @@ from pathlib import Path
 
 import httpx
 
-from wan_sharding.workers import atomic_write
+from wan_sharding.runtime.workers import atomic_write
 
 CLI = [sys.executable, "-m", "wan_sharding.cli"]
 KEY = "load-test-key"
