@@ -166,8 +166,10 @@ def _progress_bar() -> Any:
 
 def add_limits(s: argparse.ArgumentParser) -> None:
     """serve's bounds on one request (docs/serving.md, "Limits"), on connections and on the store."""
-    g = s.add_argument_group("limits", "what one request may cost (default: sized from the model; docs/serving.md)")
-    for flag, what in (("steps", "denoising steps"), ("frames", "frames"), ("height", "pixels"), ("width", "pixels"),
+    g = s.add_argument_group("limits", "what one request may cost (default: sized from the model), connections and "
+                                       "how long finished jobs are kept (docs/serving.md)")
+    for flag, what in (("steps", "denoising steps"), ("frames", "frames"), ("height", "pixels of height"),
+                       ("width", "pixels of width"),
                        ("frame-pixels", "height x width"), ("prompt-bytes", "UTF-8 bytes of each prompt"),
                        ("prompt-tokens", "tokens of each prompt"), ("images", "conditioning images"),
                        ("image-pixels", "pixels of each image")):
