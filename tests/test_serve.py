@@ -476,6 +476,75 @@ def test_a_store_that_cannot_be_written_fails_one_job_and_the_server_serves_on(s
     _wait_health(server, 200)
 
 
+def test_health_is_degraded_while_the_worker_is_stopped_or_gone(server, reference):
+    """The worker's process stopped for real (SIGSTOP): 503 ``degraded`` naming it, a job accepted
+    meanwhile waits and completes after SIGCONT, then 200. SIGKILLed while idle: once the process
+    is dead, the very next /health is 503 ``replacing`` with how it died (never 200 for a dead
+    worker), a job accepted meanwhile completes on the replacement, then 200 with its pid."""
+    old = server.wait_healthy()["worker_pid"]
+    os.kill(old, signal.SIGSTOP)
+    try:
+        r = _health(server)
+        assert r.status_code == 503 and r.json()["status"] == "degraded", r.text
+        assert f"process (pid {old}) is stopped (SIGSTOP" in r.json()["reason"]
+        waiting = server.post(REQUEST)
+        assert waiting.status_code == 202
+        time.sleep(0.5)
+        assert server.job(waiting.json()["id"])["status"] in ("queued", "in_progress")  # held, not lost
+    finally:
+        os.kill(old, signal.SIGCONT)
+    assert server.wait(waiting.json()["id"], timeout=30)["status"] == "completed"
+    assert _wait_health(server, 200)["worker_pid"] == old
+
+    restarts = _health(server).json()["worker_restarts"]
+    os.kill(old, signal.SIGKILL)
+    for _ in range(100):  # until the kernel has ended it (a zombie, or reaped already)
+        if not Path(f"/proc/{old}").exists() or Path(f"/proc/{old}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.01)
+    r = _health(server)
+    assert r.status_code == 503 and r.json()["status"] == "replacing", r.text
+    assert "died" in r.json()["reason"] and "(killed by SIGKILL); it is being replaced" in r.json()["reason"], r.text
+    behind = server.post(REQUEST)  # accepted while the replacement warms up: run once it is warm
+    assert behind.status_code == 202
+    health = _wait_health(server, 200, timeout=120)
+    assert health["worker_pid"] not in (None, old) and health["worker_restarts"] == restarts + 1
+    assert server.wait(behind.json()["id"], timeout=60)["status"] == "completed"
+
+
+def test_health_is_degraded_after_jobs_fail_for_a_storage_reason(server, store, reference):
+    """Three jobs in a row fail for a storage reason the health probe cannot see (each video's name
+    taken by a folder: the folder itself stays writable): 503 ``degraded`` naming the last reason.
+    It recovers at the next job that completes (only a real job shows the cause went), which is
+    accepted meanwhile; no job is lost or stuck."""
+    assert server.wait(server.post(REQUEST).json()["id"])["status"] == "completed"  # no storage failure before
+    taken = []
+    try:
+        for i in range(3):
+            job = server.post({**REQUEST, "num_inference_steps": 10}).json()
+            taken.append(store / "videos" / f"{job['id']}.mp4")
+            taken[-1].mkdir()  # before its 10 steps end: its video cannot be renamed into place
+            failed = server.wait(job["id"], timeout=60)
+            assert failed["status"] == "failed" and failed["error"]["code"] == "storage_error", failed
+            assert "the video could not be written to the store (Is a directory)" in failed["error"]["message"]
+            if i < 2:
+                assert _health(server).status_code == 200  # fewer than 3 in a row: ok
+        r = _health(server)
+        assert r.status_code == 503 and r.json()["status"] == "degraded", r.text
+        assert r.json()["reason"] == ("the last 3 jobs failed for a storage reason: the video could not be written to "
+                                      "the store (Is a directory)")
+    finally:
+        for path in taken:
+            path.rmdir()
+    assert _health(server).status_code == 503  # the cause went, but nothing has shown it yet
+    again = server.post(REQUEST)  # accepted while degraded: the job that shows the store works
+    assert again.status_code == 202
+    assert server.wait(again.json()["id"], timeout=60)["status"] == "completed"
+    _wait_health(server, 200, timeout=5)
+    jobs = server.http.get("/v1/videos/jobs", params={"limit": 1000}).json()
+    assert not [j for j in jobs if j["status"] in ("queued", "in_progress", "cancelling")]  # nothing stuck
+
+
 HUGE = 2**64 + 1
 ODD_VALUES = [  # (field, JSON text of its value, what the one line names)
     ("num_inference_steps", "100000", "must be 1 to 10000"), ("num_inference_steps", str(HUGE), "must be 1 to"),

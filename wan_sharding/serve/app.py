@@ -156,7 +156,7 @@ def metrics_text(sup: Supervisor) -> str:
               "# HELP wan_sharding_ready 1 when a worker is warm and serving.", "# TYPE wan_sharding_ready gauge",
               f"wan_sharding_ready {int(sup.state == 'ready')}"]
     per_worker = [("wan_sharding_worker_ready", "gauge", "1 when this worker is warm and serving.",
-                   lambda r: int(r.state == "ready")),
+                   lambda r: int(r.status[0] == "ready")),
                   ("wan_sharding_worker_busy", "gauge", "1 while this worker runs a job.", lambda r: int(bool(r.running))),
                   ("wan_sharding_worker_replaced_total", "counter", "Times this worker was replaced after a failure.",
                    lambda r: r.restarts),
