@@ -207,7 +207,8 @@ def serving(store: Path, *extra: str, ready: Callable[[Server], object] = Server
 def server(store):
     # the UMT5 text encoder sharded with the experts (the other serve tests' servers keep it on the host)
     # short header / body timeouts and a small connection cap: tests/test_serve.py's slow clients
-    yield from serving(store, "--queue", "1", "--text-encoder", "mesh", *GUARDS)
+    # --max-tokens 64: a request of the default 32x32 frame over 61 frames is refused by the token limit
+    yield from serving(store, "--queue", "1", "--text-encoder", "mesh", "--max-tokens", "64", *GUARDS)
 
 
 @pytest.fixture(scope="module")
@@ -556,7 +557,10 @@ ODD_VALUES = [  # (field, JSON text of its value, what the one line names)
     ("negative_prompt", '"\\udfff"', "a lone UTF-16 surrogate"), ("prompt", '"a\\u0000b"', "a NUL character"),
     ("prompt", json.dumps("fox " * 3000), "over the 8,192-byte prompt limit (--max-prompt-bytes)"),
     ("prompt", json.dumps("fox " * 1000), "tokens is over the 512-token prompt limit (--max-prompt-tokens"),
-    ("\\ud800", "1", "Input should be a valid string"), ("video_format", '"\\ud800"', "video_format: Input should be"),
+    ("num_frames", "81", "81x32x32: 84 tokens is over the 64 one request may have on this server's mesh (serve: "
+                         "--max-tokens)"),
+    ("\\ud800", "1", "a field name: a lone UTF-16 surrogate at character 0 is not text; send UTF-8 text"),
+    ("video_format", '"mp\\ud800"', "video_format: a lone UTF-16 surrogate at character 2 is not text; send UTF-8 text"),
 ]
 
 
@@ -571,6 +575,44 @@ def test_every_field_is_bounded_and_no_value_gives_a_500(server, reference, fiel
     error = r.json()["error"]
     assert line in error and "\n" not in error and len(error) < 600, error
     assert server.http.get("/v1/videos/jobs").json() == before
+
+
+def test_request_limits_are_sized_from_the_model_and_the_mesh():
+    """The token limit is the largest count whose per-device memory, by the planner's model, fits
+    one device: exactly (one token more does not), more the more the mesh shards the work at the
+    same device memory, fewer on one of two replicas than on the whole mesh; frames, height, width
+    and frame pixels follow from it, each at most what fits with the others at their least."""
+    from wan_sharding.jobs.conditioning import default_limits
+    from wan_sharding.mesh import mesh_from_preset
+    from wan_sharding.plan import ShardingPlan
+    from wan_sharding.planner.serving import max_request_tokens, resident_bytes, workload
+    from wan_sharding.planner.workload import memory_per_chip
+    from wan_sharding.serve.server import mesh_tokens, request_limits
+
+    budget = 64e6  # bytes a device may fill
+    found = {}
+    for mesh in ("1x1", "1x4", "2x4", "8x4"):
+        plan = ShardingPlan.from_mesh(mesh_from_preset(mesh))
+        tokens = found[mesh] = max_request_tokens("t2v-a14b", "tiny", plan, budget, attention="materialised",
+                                                  dtype_bytes=4)
+        weights, _ = resident_bytes("t2v-a14b", "tiny", plan, 4, False)
+        total = lambda n: memory_per_chip(workload("t2v-a14b", "tiny", n), plan, weights, "materialised").total  # noqa: E731
+        assert total(tokens) <= budget < total(tokens + 1), mesh
+    assert found["1x1"] < found["1x4"] < found["2x4"] < found["8x4"]  # the scores split over SP and TP
+    fused = max_request_tokens("t2v-a14b", "tiny", ShardingPlan.from_mesh(mesh_from_preset("2x4")), budget,
+                               attention="fused", dtype_bytes=4)
+    assert fused > 10 * found["2x4"]  # no score tensor: the working set grows linearly, not quadratically
+    assert max_request_tokens("t2v-a14b", "tiny", ShardingPlan(), 1e3, attention="fused") == 0  # weights alone
+
+    # on the CPU mesh every device shares this host's memory: a replica's sub-mesh takes fewer tokens
+    p = {"variant": "t2v-a14b", "backend": "jax", "mesh": "2x4", "padding": None, "dtype": None}
+    assert mesh_tokens({**p, "replicas": 2}) < mesh_tokens(p)
+    # frames, height and width derived from a token count (the tiny VAE: 4k+1 frames, 16-pixel tokens)
+    limits = default_limits("t2v-a14b", None, 10)
+    assert (limits.frames, limits.height, limits.width, limits.frame_pixels, limits.tokens) == (37, 160, 160, 2560, 10)
+    assert default_limits("t2v-a14b", None, 10**6).tokens == 21 * 16 * 16  # at most the model's largest video
+    assert request_limits({**p, "max_tokens": 7, "max_frames": 9}).tokens == 7  # each flag overrides its default
+    assert request_limits({**p, "max_tokens": 7, "max_frames": 9}).frames == 9
 
 
 def _raw(server: Server, head: str, body: bytes = b"", read: bool = True, timeout: float = 10) -> bytes:
