@@ -223,6 +223,7 @@ def reference(server) -> dict:
 def test_a_job_completes_and_its_video_downloads(server, store, reference, tmp_path):
     health = server.http.get("/health").json()
     assert health["status"] == "ok" and health["worker"]["warmup_shape"] == [1, 32, 32, 3]
+    assert any("a request may have at most 64 DiT tokens, 81 frames, 256x256" in line for line in server.lines)
     assert [w["state"] for w in health["workers"]] == ["ready"] and health["workers"][0]["mesh"] == "2x4"
     job = server.job(reference["id"])
     # tt-media-server's job record (Job.to_public_dict): no "error" key unless it failed

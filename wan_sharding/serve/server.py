@@ -217,6 +217,9 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
     say(f"wan-sharding serve: listening on http://{url_host}:{port} (store {p['store']}, queue {p['queue']}, "
         f"job timeout {p['job_timeout']:g} s{', API key required' if p.get('api_key') else ''}); warming up "
         f"{workers} (GET /health is 503 until it is ready)")
+    say(f"wan-sharding serve: a request may have at most {limits.tokens:,} DiT tokens, {limits.frames} frames, "
+        f"{limits.height}x{limits.width} and {limits.frame_pixels:,} pixels a frame, {limits.steps} steps (sized from "
+        f"the model and the mesh, or by --max-*; docs/serving.md, Limits)")
     sys.stdout.flush()
     _log_to(sys.stdout)
     sup.prune(force=True)
