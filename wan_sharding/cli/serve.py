@@ -57,8 +57,14 @@ def check_serve(args: argparse.Namespace) -> None:
                          "another key")
     from ..serve.server import request_limits
 
-    check_limits({"num_inference_steps": args.steps, "num_frames": args.frames, "height": args.height,
-                  "width": args.width}, request_limits({**vars(args), "plan": None}), REQUEST_FLAGS)
+    from ..jobs.requests import video_factors
+    from ..serve.server import request_defaults
+
+    defaults = request_defaults(vars(args))
+    check_limits({"num_inference_steps": args.steps, "num_frames": defaults["num_frames"],
+                  "height": defaults["height"], "width": defaults["width"]},
+                 request_limits({**vars(args), "plan": args.plan.to_dict() if args.plan is not None else None}),
+                 REQUEST_FLAGS, factors=video_factors(args.variant, args.model))
     if args.keep_days < 0 or args.keep_jobs < 0:
         raise UsageError(f"--keep-days {args.keep_days:g} --keep-jobs {args.keep_jobs}: must be >= 0 (0: no bound)")
     output_dir(args.store, "--store")
@@ -172,7 +178,8 @@ def add_limits(s: argparse.ArgumentParser) -> None:
                        ("width", "pixels of width"),
                        ("frame-pixels", "height x width"), ("prompt-bytes", "UTF-8 bytes of each prompt"),
                        ("prompt-tokens", "tokens of each prompt"), ("images", "conditioning images"),
-                       ("image-pixels", "pixels of each image")):
+                       ("image-pixels", "pixels of each image"),
+                       ("tokens", "DiT tokens (frames x height x width after the VAE and the patch)")):
         g.add_argument(f"--max-{flag}", type=positive_int, metavar="N", help=f"the most {what} a request may ask for")
     g.add_argument("--max-image-mb", type=positive_float, metavar="MB", help="the largest image file (default 10)")
     g.add_argument("--header-timeout", type=positive_float, metavar="S",
