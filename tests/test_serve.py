@@ -586,7 +586,7 @@ def test_request_limits_are_sized_from_the_model_and_the_mesh():
     from wan_sharding.jobs.conditioning import default_limits
     from wan_sharding.mesh import mesh_from_preset
     from wan_sharding.plan import ShardingPlan
-    from wan_sharding.planner.serving import max_request_tokens, resident_bytes, workload
+    from wan_sharding.planner.serving import device_memory_bytes, max_request_tokens, resident_bytes, workload
     from wan_sharding.planner.workload import memory_per_chip
     from wan_sharding.serve.server import mesh_tokens, request_limits
 
@@ -608,6 +608,9 @@ def test_request_limits_are_sized_from_the_model_and_the_mesh():
     # on the CPU mesh every device shares this host's memory: a replica's sub-mesh takes fewer tokens
     p = {"variant": "t2v-a14b", "backend": "jax", "mesh": "2x4", "padding": None, "dtype": None}
     assert mesh_tokens({**p, "replicas": 2}) < mesh_tokens(p)
+    # on tt a chip's DRAM: a Blackhole chip (serve --arch blackhole, or its rank binding's) holds more than a Wormhole one
+    assert device_memory_bytes("tt", 32, "blackhole") / device_memory_bytes("tt", 32) == 32 / 12
+    assert device_memory_bytes("tt", 32) == device_memory_bytes("tt", 1, "wormhole_b0")  # a chip's, whatever the mesh
     # frames, height and width derived from a token count (the tiny VAE: 4k+1 frames, 16-pixel tokens)
     limits = default_limits("t2v-a14b", None, 10)
     assert (limits.frames, limits.height, limits.width, limits.frame_pixels, limits.tokens) == (37, 160, 160, 2560, 10)

@@ -143,7 +143,7 @@ def mesh_tokens(p: dict[str, Any]) -> int:
     from ..jobs.conditioning import conditioning
     from ..options import DEFAULT_PADDING
     from ..plan import ShardingPlan
-    from ..planner.serving import device_memory_bytes, max_request_tokens
+    from ..planner.serving import TT_ARCH, device_memory_bytes, max_request_tokens
 
     replicas, plan = replicas_of(p)
     sub = (ShardingPlan.from_dict(plan) if plan else
@@ -151,7 +151,7 @@ def mesh_tokens(p: dict[str, Any]) -> int:
     model = p.get("model")
     dtype = p.get("dtype") or ("bf16" if model else "fp32")
     dit, encoder = checkpoint_configs(model) if model else ((), ())
-    device = device_memory_bytes(p["backend"], sum(r.mesh.num_devices for r in replicas))
+    device = device_memory_bytes(p["backend"], sum(r.mesh.num_devices for r in replicas), p.get("arch") or TT_ARCH)
     return max_request_tokens(conditioning(p["variant"], model).variant, "full" if model else "tiny", sub, device,
                               attention="fused" if p["backend"] == "tt" else "materialised",
                               dtype_bytes=4 if dtype == "fp32" else 2, text_encoder=p.get("text_encoder") == "mesh",
