@@ -198,6 +198,31 @@ def serve(root: Path) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------- a block's ops by cause
+
+
+def _script(name: str):
+    """A sibling script as a module: ``bench_hardware`` owns the cause table's rows and tt-metal's column."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def causes(root: Path) -> str:
+    bench = _script("bench_hardware")
+    rows = _load(root, "hardware.json")["rows"]
+    lines = ["Runtime ops per block by cause (`results/hardware.json`; T2V-A14B full width, 480p, padding none, "
+             "arguments marked, hardware's composites and options), each column with its run:", ""]
+    lines += [f"- {bench.short_label(r)}: `{r.get('command', '?')}` ({r.get('date', '?')}), patches "
+              f"{' '.join(r['patches']) or 'none'}" for r in bench.cause_rows(rows)]
+    return "\n".join(lines) + "\n\n" + bench.causes_markdown(rows)
+
+
 # ------------------------------------------------------------------------------- the VAE and the stages
 
 
@@ -370,6 +395,7 @@ BLOCKS: dict[str, Block] = {
     "vae-check": Block("docs/vae.md", vae_check, "results/vae.json"),
     "vae-cpu": Block("docs/vae.md", vae_cpu, "results/vae.json"),
     "stages": Block("docs/pipeline-stages.md", stages, "results/stages.json"),
+    "causes": Block("docs/compile-hardware.md", causes, "results/hardware.json"),
 }
 
 
