@@ -351,7 +351,26 @@ class JaxBackend(Backend):
 
         return run
 
+    def step_quirks(self) -> Any:
+        from .frontend_quirks import sliced_integer_indexing
+
+        return sliced_integer_indexing()
+
+    def frontend_hooks(self, model: torch.nn.Module) -> list[Any]:
+        from .frontend_quirks import torch_dtypes
+
+        return torch_dtypes(model)
+
+    def upload(self, tensor: torch.Tensor, spec: Spec) -> Any:
+        """Split on upload: ``jax.device_put`` with the spec's sharding sends each device its piece."""
+        import jax
+        import torchax
+
+        return jax.device_put(torchax.default_env().t2j_copy(tensor), self.sharding(spec))
+
     def to_host(self, out: Any) -> torch.Tensor:
+        """``jax.device_get``: a split array is copied shard by shard (each addressable shard to the
+        host, assembled there), never gathered by a program on the devices."""
         import jax
 
         out = jax.device_get(out)

@@ -206,22 +206,26 @@ def _compile_steps(reqs: list[VaeCompileRequest], out_dirs: list[Path]) -> list[
 
         h, w = req.latent_hw()
         act = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[req.dtype]
-        z = jax.ShapeDtypeStruct((1, vae.config.z_dim, 1, h, w), act, sharding=backend.sharding(()))
-        spec = _cache_spec(handle, z.shape)
+        shape = (1, vae.config.z_dim, 1, h, w)
+        frame = handle.plan_decode(shape)
+        spec = _cache_spec(handle, shape)
+        # the input as decode uploads it: padded to the frame and split over the mesh
+        z = jax.ShapeDtypeStruct((*shape[:3], *frame.padded), act, sharding=backend.sharding(spec(5)))
         wanted = {STEPS[r.step]: (r, d) for r, d in zip(reqs, out_dirs)}
         results: dict[int, dict[str, Any]] = {}
-        step, cache = handle.step_function("decode"), ()
-        for index in range(max(wanted) + 1):
-            if index in wanted:
-                lowered = jax.jit(program(step)).lower(handle.placed, z, *cache)
-                results[index] = _compiled(lowered, wanted[index][1], time.perf_counter() - t0,
-                                           _step_facts(handle, step, z.shape))
-                out = lowered.out_info[1]
-            else:
-                _, out = jax.eval_shape(program(step), handle.placed, z, *cache)
-            cache = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=backend.sharding(spec(len(c.shape))))
-                          for c in out)
-            step = handle.step_function("decode", after=step)
+        step, cache = handle.step_function("decode", shape), ()
+        with handle.tracing("decode", frame):
+            for index in range(max(wanted) + 1):
+                if index in wanted:
+                    lowered = jax.jit(program(step)).lower(handle.placed, z, *cache)
+                    results[index] = _compiled(lowered, wanted[index][1], time.perf_counter() - t0,
+                                               _step_facts(handle, step, shape))
+                    out = lowered.out_info[1]
+                else:
+                    _, out = jax.eval_shape(program(step), handle.placed, z, *cache)
+                cache = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=backend.sharding(spec(len(c.shape))))
+                              for c in out)
+                step = handle.step_function("decode", after=step)
         return [results[STEPS[r.step]] for r in reqs]
     finally:
         handle.remove()
@@ -252,9 +256,9 @@ def _step_facts(handle: Any, step: Any, z_shape: tuple) -> dict[str, Any]:
     """What the compiled step is: its halo'd modules, how the frame lies on the mesh, and whether
     its cache leaves the same structure it came with (the program every later frame reuses)."""
     split = handle.plan_decode(tuple(z_shape)).split
-    key = handle.steps._keys[step]
+    part, _, pattern, first = handle.steps.key(step)
     return {"halo_modules": len(handle.hooks.halo_modules), "frame_split": split.describe() if split else None,
-            "reused_by_later_frames": handle.steps.next_pattern(step) == key[1] and not key[2]}
+            "reused_by_later_frames": handle.steps.next_pattern(step) == pattern and not first}
 
 
 def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
@@ -284,12 +288,14 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
     handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy, keep_host_weights=False)
     try:
         h, w = req.latent_hw()
-        z = torch.zeros(1, vae.config.z_dim, 1, h, w, dtype=dtype).to(backend.device)
-        spec = _cache_spec(handle, z.shape)
-        step, lazy = handle.step_function("decode"), ()
+        shape = (1, vae.config.z_dim, 1, h, w)
+        frame = handle.plan_decode(shape)
+        spec = _cache_spec(handle, shape)
+        z = backend.upload(torch.zeros(*shape[:3], *frame.padded, dtype=dtype), spec(5))  # as decode uploads it
+        step, lazy = handle.step_function("decode", shape), ()
         torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)  # scalars inlined, as torch-xla exports
         try:
-            with torch.no_grad():
+            with torch.no_grad(), handle.tracing("decode", frame):
                 for _ in range(STEPS[req.step]):
                     lazy = step(vae, z, *lazy)[1]  # lazy: shapes, nothing runs
                     step = handle.step_function("decode", after=step)
@@ -304,7 +310,7 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = workers.atomic_write(out_dir / "stablehlo_shardy.mlir", shardy)
         return {"ok": True, "stablehlo_path": str(path), "trace_seconds": round(time.perf_counter() - t0, 2),
-                **_step_facts(handle, step, tuple(z.shape))}
+                **_step_facts(handle, step, shape)}
     finally:
         handle.remove()
 
