@@ -271,11 +271,12 @@ class XlaBackend(Backend):
         copied instead (``_get_local_shards``: no program when the tensor is device data) and
         the whole assembled on the host, one replica of each piece."""
         import torch_xla
-
-        if torch_xla._XLAC._get_xla_sharding_type(out) in (None, 0):  # no sharding, or replicated
-            return out.cpu()
         import torch_xla.core.xla_model as xm
 
+        if torch_xla._XLAC._get_xla_sharding_type(out) is None:  # not computed yet: its sharding is the program's
+            torch_xla._XLAC._xla_sync_multi([out], [], True, True)
+        if torch_xla._XLAC._get_xla_sharding_type(out) in (None, 0):  # no sharding, or replicated
+            return out.cpu()
         xm.wait_device_ops()  # the program that made it may still be running (torch-xla executes asynchronously)
         shards = torch_xla._XLAC._get_local_shards([out])[0]
         where = torch_xla._XLAC._get_local_shard_replica_and_indices([out])[0]

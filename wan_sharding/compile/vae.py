@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from ..mesh import mesh_from_preset
-from ..models import vae_config
-from ..vae.layout import plan_frame, widest_scale
+from ..models import VIDEO_PIXELS, vae_config, vae_latent_hw
+from ..vae.layout import frame_values, plan_frame, widest_scale
 from .request import CompileError
 
-# The video frames of the two resolutions (height, width), as the Wan 2.2 pipelines make them.
-PIXELS = {"480p": (480, 832), "720p": (720, 1280)}
+PIXELS = VIDEO_PIXELS  # the resolutions a compile takes (models.py's one table)
 # The decode steps a compile can take, by the index of the latent frame whose program it is:
 # the first (no cache yet) and the third (a full cache: the program every later frame reuses).
 STEPS = {"first": 0, "steady": 2}
@@ -57,9 +56,7 @@ class VaeCompileRequest:
 
     def latent_hw(self) -> tuple[int, int]:
         """The latent frame of the resolution's video for this VAE (8x or 16x spatial compression)."""
-        h, w = PIXELS[self.resolution]
-        scale = vae_config(self.kind, "full").get("scale_factor_spatial", 8)
-        return h // scale, w // scale
+        return vae_latent_hw(self.kind, self.resolution)
 
     def label(self) -> str:
         return f"vae {self.kind} {self.mesh} {self.resolution} {self.strategy} {self.frontend} {self.step}"
@@ -69,12 +66,10 @@ def frame_bytes(req: VaeCompileRequest) -> int:
     """Bytes of one latent-resolution frame at the mid block's width, as it lies on the mesh (H and W
     padded to whole shards, in the orientation the handle picks for it): what the mid-block
     attention gathers."""
-    cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(req.kind, req.size)}
-    base = cfg["decoder_base_dim"] or cfg["base_dim"]
+    cfg = vae_config(req.kind, req.size)
     frame = plan_frame(*req.latent_hw(), mesh_from_preset(req.mesh), "mask", 1, "latent frame",
                        widest_scale(cfg, "decode"))
-    h, w = frame.padded
-    return base * cfg["dim_mult"][-1] * h * w * (2 if req.dtype == "bf16" else 4)
+    return frame_values(cfg, "decode", frame) * (2 if req.dtype == "bf16" else 4)
 
 
 def xla_trace_bytes(req: VaeCompileRequest) -> int:

@@ -34,8 +34,6 @@ from .hardware import chip as chip_for, collective_seconds, fabric_for
 BF16 = 2
 STEPS = 40  # tt-metal's Wan 2.2 performance test: 40 denoising steps, 81 frames
 FRAMES = 81
-# The video frame of each resolution (height, width), as the Wan pipelines make them.
-PIXELS = {"480p": (480, 832), "720p": (720, 1280)}
 # UMT5-XXL encoder (google/umt5-xxl; the Wan 2.2 pipelines' text_encoder): 24 layers, d_model 4096,
 # 64 heads x 64, gated FFN d_ff 10240, 512 prompt tokens.
 UMT5 = {"layers": 24, "d_model": 4096, "d_ff": 10240, "tokens": 512}
@@ -62,11 +60,9 @@ def decode_flops(kind: str, resolution: str) -> tuple[float, float]:
 
 
 def latent_hw(kind: str, resolution: str) -> tuple[int, int]:
-    from ..models import vae_config
+    from ..models import vae_latent_hw
 
-    h, w = PIXELS[resolution]
-    scale = vae_config(kind, "full").get("scale_factor_spatial", 8)
-    return h // scale, w // scale
+    return vae_latent_hw(kind, resolution)
 
 
 def video_flops(kind: str, resolution: str, frames: int = FRAMES) -> float:
@@ -174,23 +170,24 @@ def vae_stage(kind: str, mesh: str, arch: str, resolution: str, frames: int = FR
     split and padded as ``shard_vae`` lays it (:func:`~wan_sharding.vae.layout.plan_frame`) and
     each halo gather cut as it cuts them (no piece larger than the frame gather)."""
     from ..models import vae_config
-    from ..vae.layout import plan_frame, widest_scale
+    from ..vae.halo import gather_pieces_for
+    from ..vae.layout import frame_values, plan_frame, widest_scale
 
     spec = mesh_from_preset(mesh)
     fabric = fabric_for(arch, spec.shape)
     flops = video_flops(kind, resolution, frames)
     convs, _, _ = _decoder_shapes(kind, resolution)
-    cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(kind, "full")}
+    cfg = vae_config(kind, "full")
     frame = plan_frame(*latent_hw(kind, resolution), spec, "mask", 1, "latent frame", widest_scale(cfg, "decode"))
     split, (ph, pw) = frame.split, frame.padded
-    limit = (cfg["decoder_base_dim"] or cfg["base_dim"]) * cfg["dim_mult"][-1] * ph * pw * BF16
+    limit = frame_values(cfg, "decode", frame) * BF16
     axis = {name: fabric.axis(i) for i, name in enumerate(spec.axis_names)}
     comm = 0.0
     for lead, s in convs:  # each shard's boundary rows, then its H-extended boundary columns
         for n, name, payload in ((split.nh, split.h_axis, 2 * pw // split.nw * s * lead * BF16),
                                  (split.nw, split.w_axis, 2 * (ph // split.nh * s + 2) * lead * BF16)):
             if n > 1:
-                pieces = -(-n * payload // limit)
+                pieces = gather_pieces_for(n * payload, limit, lead)
                 comm += pieces * collective_seconds("all_gather", payload / pieces, n, axis[name], fabric).seconds
     for i, n in enumerate(spec.shape):
         if n > 1:

@@ -139,8 +139,14 @@ def gather_pieces(rows: torch.Tensor, dim: int, spec: tuple, max_gather: int | N
     if max_gather is None:
         return 1
     others = math.prod([rows.shape[d] for d, axis in enumerate(spec) if axis is not None and d != dim])
-    per_chip = rows.numel() // others
-    return max(1, min(rows.shape[0], -(-per_chip // max_gather)))
+    return gather_pieces_for(rows.numel() // others, max_gather, rows.shape[0])
+
+
+def gather_pieces_for(per_chip: float, limit: float, most: int) -> int:
+    """The one cutting rule (the handle's and the planner's): a gather handing each chip
+    ``per_chip`` (values or bytes) goes in as many pieces as keep each within ``limit``, at most
+    ``most`` (one per leading row: channels x frames), at least one."""
+    return int(max(1, min(most, -(-per_chip // limit))))
 
 
 def exchange(x: torch.Tensor, dim: int, axis: str, lo: int, hi: int, spec: tuple, constrain: Constrain,
