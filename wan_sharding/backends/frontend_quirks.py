@@ -8,7 +8,8 @@ lowering, kept here with the backends that need them (the VAE's own modules stay
 - torchax 0.0.13 (``jax``): :func:`sliced_integer_indexing` around a traced step, and
   :func:`torch_dtypes` on the model (dtypes torchax changes).
 
-Each backend says which it takes: ``Backend.step_quirks()`` (the context around a traced step) and
+Each backend says which it takes: ``Backend.step_quirks()`` (the context around a traced step;
+the JAX backend enters its own inside the step's program instead, ``JaxBackend.step_program``) and
 ``Backend.frontend_hooks(model)`` (per-instance hooks, their handles returned to be removed).
 """
 

@@ -3,7 +3,8 @@ compiler, and its collective bill.
 
 The VAE is built at its real config on the ``meta`` device (weights are shape stand-ins), sharded
 with ``shard_vae`` on the tt devices of a system descriptor, and one of a decode's step programs
-(:mod:`wan_sharding.vae.programs`) is lowered through torchax and compiled by ``jax-tt-plugin``:
+(:mod:`wan_sharding.vae.programs`), the very ``jax.jit`` the JAX backend runs for that step
+(``JaxBackend.step_program``), is lowered through torchax and compiled by ``jax-tt-plugin``:
 ``first``, the first latent frame's (what ``handle.decode`` runs for a one-frame latent), or
 ``steady``, the third's, which every later latent frame reuses: its cache holds two frames and its
 upsampled stages four frames per latent frame, so its halos are the largest of a decode (the
@@ -175,8 +176,6 @@ def _compile_steps(reqs: list[VaeCompileRequest], out_dirs: list[Path]) -> list[
     one lowered and compiled. A result per request, in order."""
     import jax
     import jax.numpy as jnp
-    import torchax
-    from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
 
     from ..backends.jax import JaxBackend
     from ..models import build_vae
@@ -190,15 +189,6 @@ def _compile_steps(reqs: list[VaeCompileRequest], out_dirs: list[Path]) -> list[
     vae = build_vae(req.kind, req.size, device="meta", dtype=torch_dtype(req.dtype))
     handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy)
     try:
-        env = torchax.default_env()
-
-        def program(step: Any) -> Any:
-            def run(state: dict, z: Any, *cache: Any) -> Any:
-                state, z, cache = env.j2t_iso((state, z, cache))
-                with env, _reparametrize_module(vae, state):
-                    return env.t2j_iso(step(vae, z, *cache))  # the frame and the cache, as the step returns them
-            return run
-
         h, w = req.latent_hw()
         act = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[req.dtype]
         shape = (1, vae.config.z_dim, 1, h, w)
@@ -211,13 +201,14 @@ def _compile_steps(reqs: list[VaeCompileRequest], out_dirs: list[Path]) -> list[
         step, cache = handle.step_function("decode", shape), ()
         with handle.tracing("decode", frame):
             for index in range(max(wanted) + 1):
+                program = backend.step_program(vae, step)  # the very program decode runs for this step
                 if index in wanted:
-                    lowered = jax.jit(program(step)).lower(handle.placed, z, *cache)
+                    lowered = program.lower(handle.placed, (z, *cache))
                     results[index] = _compiled(lowered, wanted[index][1], time.perf_counter() - t0,
                                                _step_facts(handle, step, shape))
                     out = lowered.out_info[1]
                 else:
-                    _, out = jax.eval_shape(program(step), handle.placed, z, *cache)
+                    _, out = jax.eval_shape(program, handle.placed, (z, *cache))
                 cache = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=backend.sharding(spec(len(c.shape))))
                               for c in out)
                 step = handle.step_function("decode", after=step)
