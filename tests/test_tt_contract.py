@@ -449,7 +449,7 @@ def run_standin(script: str, args: list[str], devices: int) -> dict:
     import subprocess
     from pathlib import Path
 
-    from wan_sharding import scratch
+    from wan_sharding.runtime import scratch
     from wan_sharding.jobs.launch import worker_env
 
     tmp = scratch.worker_tmpdir()  # as the worker runner gives a worker: dynamo's caches go with it

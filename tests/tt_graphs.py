@@ -9,8 +9,9 @@ them (``python_package/tt_torch/custom_ops.py``, ``python_package/torch_plugin_t
   constraint for real on torch-xla SPMD (the partition spec read back from the Shardy string,
   ``xs.annotate_custom_sharding`` on a copy), where the real one emits the
   ``tt.sharding_constraint`` custom call tt-mlir reads;
-- a ``torch.compile`` backend named ``"tt"`` that records each graph dynamo hands it (and the
-  constraint ops in it) and runs the graph as it is, on torch-xla's lazy tensors;
+- a ``torch.compile`` backend named ``"tt"`` that records each graph dynamo hands it (the
+  constraint ops in it, its inputs and its own parameters) and runs the graph as it is, on
+  torch-xla's lazy tensors (a constraint run while no graph runs is counted as eager);
 - ``torch._dynamo.config.inline_inbuilt_nn_modules = False``, as ``torch_plugin_tt`` sets it.
 
 Everything else is real: stock torch-xla SPMD on 8 CPU devices, the real ``TTBackend``

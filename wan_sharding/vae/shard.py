@@ -137,7 +137,7 @@ class VaeHandle(ShardHandle):
             yield
 
     def step_function(self, part: str = "decode", shape: tuple[int, ...] | None = None, after: Any = None) -> Any:
-        """The function of ``part``'s first step for an input of ``shape`` (``after=None``: the
+        """The function of ``part``'s first step for an input of ``shape`` (``after=None``, ``shape`` given: the
         first latent frame of a decode, the first video frame of an encode), or of the step that
         follows the step function ``after`` once that one has been traced (its cache's structure
         is then known); as ``decode`` / ``encode`` run them through the backend (inside
