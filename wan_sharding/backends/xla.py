@@ -270,6 +270,8 @@ class XlaBackend(Backend):
         on every device first (torch-xla's ``ReplicateShardedData``), so each device's piece is
         copied instead (``_get_local_shards``: no program when the tensor is device data) and
         the whole assembled on the host, one replica of each piece."""
+        if out.device.type != "xla":  # already a host tensor
+            return out.cpu()
         import torch_xla
         import torch_xla.core.xla_model as xm
 
