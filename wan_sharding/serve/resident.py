@@ -105,6 +105,7 @@ class Replica:
         self.completed = 0
         self.ready_info: dict[str, Any] = {}
         self.prompt_cache: dict[str, Any] | None = None  # the worker's prompt embeddings, as it last reported them
+        self.vae: dict[str, Any] | None = None  # where its VAE runs and its calls on the mesh, as last reported
         self.running: str | None = None
         self.idle = False  # ready and waiting for a job (the dispatch reads it under its lock)
         self._worker: _Worker | None = None
@@ -211,6 +212,7 @@ class Replica:
             if ev.get("event") == "ready":
                 self.ready_info = {k: v for k, v in ev.items() if k != "event"}
                 self.prompt_cache = ev.get("prompt_cache")
+                self.vae = ev.get("vae")
                 return None
         return "the server is stopping"
 
@@ -278,6 +280,7 @@ class Replica:
             return False
         if kind == "completed":
             self.prompt_cache = ev.get("prompt_cache", self.prompt_cache)
+            self.vae = ev.get("vae", self.vae)
             store.progress(job_id, len(ev["step_seconds"]), len(ev["step_seconds"]))
             if store.complete(job_id, ev["video"], ev):
                 self.completed += 1
