@@ -67,10 +67,19 @@ def check_strategy(strategy: str, padding: str) -> None:
         raise ShardingError(f"padding {padding!r} ({why}) does not apply to the VAE; choose one of {', '.join(VAE_PADDINGS)}")
 
 
+# Why the VAE is not sharded on a cfg mesh (``--cfg 2``): a decode has no guidance branches, and the
+# backends keep a cfg axis for a batch of (cond, uncond) halves; said by the API and the commands.
+CFG_MESH_REFUSAL = ("the VAE splits each frame over the mesh's two axes and has no guidance branches, while a cfg "
+                    "mesh keeps an axis for the two guidance halves of a batch")
+
+
 def frame_splits(mesh: MeshSpec) -> tuple[FrameSplit, ...]:
     """The ways a frame can lie on a 2-D mesh: H over the first axis and W over the second, then the
     other way round (one way when both axes are as long)."""
     names = mesh.axis_names
+    if mesh.cfg_axis is not None:
+        raise ShardingError(f"{CFG_MESH_REFUSAL} ({mesh.name}); shard the VAE on the mesh without cfg (the same "
+                            "devices), or leave the VAE off the mesh (vae=False)")
     if len(names) != 2:
         raise ShardingError(f"the VAE needs a 2-D mesh, got axes {names}")
     a, b = mesh.shape
