@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.workers import install_signal_handlers  # noqa: E402
 
 MESHES = ("2x4", "8x4")
 RESOLUTIONS = ("480p", "720p")
@@ -145,8 +145,11 @@ def main() -> int:
               f"{s['denoising']['seconds']:.0f} s, VAE {s['vae']['seconds']:.2f} s (tt-metal bounds "
               f"{r['tt_metal_bound_s']}, measured {r['tt_metal_measured_s']})", flush=True)
     host = {"machine": platform.machine(), "cpus": __import__("os").cpu_count(), "python": platform.python_version()}
-    atomic_write(Path(args.out) / "stages.json", json.dumps(
-        {"command": command, "date": date, "host": host, "rows": stages}, indent=1) + "\n")
+    import docs_figures  # scripts/, beside this one: the pages quote these files
+
+    # a re-run whose figures are the same leaves the file (and its date) as it was
+    docs_figures.write_result(Path(args.out) / "stages.json",
+                              {"command": command, "date": date, "host": host, "rows": stages})
     result = {"command": command, "date": date, "host": host, "arch": args.arch}
     if not args.skip_cpu:
         result["cpu"] = cpu_rows(args.latent, list(MESHES))
@@ -155,8 +158,6 @@ def main() -> int:
     if not args.skip_check:
         result["check"] = check_rows()
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    import docs_figures  # scripts/, beside this one: the pages quote these files
-
     pages = Path(args.out).resolve() == ROOT / "results"  # the docs quote results/, not another --out
 
     if args.skip_cpu and args.skip_compile and args.skip_check:  # the stage table alone: vae.json stays as it was
@@ -169,7 +170,7 @@ def main() -> int:
         if part not in result and part in old:
             result[part] = old[part]
             result.setdefault("carried_over", {})[part] = old.get("carried_over", {}).get(part, old.get("date"))
-    atomic_write(previous, json.dumps(result, indent=1) + "\n")
+    docs_figures.write_result(previous, result)
     print(f"wrote {args.out}/vae.json and stages.json in {result['seconds']:.0f} s")
     if pages:
         print("\n".join(docs_figures.update(["stages", "vae-strategies", "vae-bills", "vae-check", "vae-cpu"]))

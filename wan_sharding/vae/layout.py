@@ -47,6 +47,10 @@ def check_vae_model(vae: Any) -> None:
     """Refuse anything but a diffusers ``AutoencoderKLWan`` made of the modules the plan knows."""
     from diffusers import AutoencoderKLWan
 
+    if getattr(vae, "component", None) == "vae" and isinstance(getattr(vae, "_model", None), AutoencoderKLWan):
+        raise ShardingError("this VAE is already sharded: pipe.vae is the ShardedVae that shard_pipeline(..., vae=True) "
+                            "put there (its handle: pipe.vae.handle); use it as it is, or call the pipeline handle's "
+                            "remove() first (pipe.vae is then the VAE again) and shard that")
     if not isinstance(vae, AutoencoderKLWan):
         raise ShardingError(f"expected a diffusers AutoencoderKLWan, got {type(vae).__name__}; pass the "
                             "pipeline's vae (pipe.vae), or use shard_pipeline(..., vae=True)")
