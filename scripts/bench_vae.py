@@ -9,8 +9,8 @@ the CPU PCC matrix, and the per-video stage estimates beside tt-metal's publishe
 2. Compile-only (``compile --component vae``): the real Wan 2.1 VAE (A14B) on meta weights, the
    first latent frame's decode step at 480p and 720p on 2x4 and 8x4 with each strategy (``halo``,
    ``halo-permute``, ``annotate``, ``channels``) through torchax; then ``halo`` for both VAEs (the
-   Wan 2.2 VAE of TI2V-5B too), the first step and the steady one (the program every latent frame
-   from the third reuses), through torchax and torch-xla (real, uninitialised weights: a trace
+   Wan 2.2 VAE of TI2V-5B too), the first step, the second and the steady one (the program every
+   latent frame from the third reuses), through torchax and torch-xla (real, uninitialised weights: a trace
    that would not fit this host's memory is reported as skipped).
 3. The CPU PCC matrix (``check --component vae``: both VAEs, decode and encode, padded and not, on
    1x4, 2x4 and 8x4, jax and xla): what the suite's ``slow`` VAE test checks, in full.
@@ -68,7 +68,7 @@ def cpu_rows(latent: str, meshes: list[str]) -> list[dict]:
 def compile_rows(arch: str) -> list[dict]:
     from wan_sharding.cli.vae import format_vae_reports
     from wan_sharding.compile import CompileError
-    from wan_sharding.compile.vae import VaeCompileRequest, check_vae_request, compile_vae
+    from wan_sharding.compile.vae import STEPS, VaeCompileRequest, check_vae_request, compile_vae
 
     reports = []
     for resolution in RESOLUTIONS:
@@ -76,7 +76,7 @@ def compile_rows(arch: str) -> list[dict]:
             reqs = []
             for kind in ("wan2.1", "wan2.2"):
                 for frontend in ("torchax", "torch-xla"):
-                    for step in ("first", "steady"):  # one trace of the decode for both (torchax)
+                    for step in STEPS:  # first, second, steady: one trace of the decode for all (torchax)
                         reqs.append(VaeCompileRequest(kind, mesh, resolution, "halo", frontend=frontend, step=step))
                     if kind == "wan2.1" and frontend == "torchax":  # the alternatives, the first step's
                         reqs += [VaeCompileRequest("wan2.1", mesh, resolution, s) for s in STRATEGIES if s != "halo"]

@@ -133,3 +133,33 @@ def test_a_refusal_is_cut_at_whole_clauses():
     assert short == ("XlaRuntimeError: INTERNAL: Could not apply propagated tensor shardings to tensor dimensions "
                      "(and 2 more in the report)")
     assert refusal("Traceback ...\n  lost\n" + "word " * 100, limit=50).endswith("word") and refusal(None)
+
+
+def test_strategy_all_lists_the_refused_strategies_as_rows():
+    """``compile --component vae --strategy all`` on the last bench run's reports (tt-mlir's own
+    results, ``results/vae.json``): the halo compiled and holds its bill, so the run is ok (exit 0)
+    although tt-mlir refused two of the alternatives, which are rows with whole-clause reasons;
+    the same refusal for the strategy asked for is the command's one error line."""
+    import json
+    from pathlib import Path
+
+    from wan_sharding.cli.vae import format_vae_reports, vae_outcome
+
+    runs = json.loads((Path(__file__).resolve().parents[1] / "results" / "vae.json").read_text())["compile"]
+    # each compiled one billed as compile_vae bills it now (the run predates the neighbour-only figures)
+    reports = [{**r, **vae_bill(r["collectives"], r["frame_limit_bytes"])} if r.get("ok") else r
+               for r in runs if (r["request"]["kind"], r["request"]["mesh"], r["request"]["resolution"],
+                                   r["request"]["frontend"], r["request"]["step"]) == ("wan2.1", "2x4", "480p",
+                                                                                     "torchax", "first")]
+    assert [r["request"]["strategy"] for r in reports] == ["halo", "halo-permute", "annotate", "channels"]
+    out = vae_outcome(reports, "halo")
+    assert out["ok"] and out["bill_ok"] and out["error"] is None
+    assert [r["strategy"] for r in out["refused"]] == ["halo-permute", "annotate"]
+    for row in out["refused"]:  # whole clauses of tt-mlir's message, in order
+        error = next(r["error"] for r in reports if r["request"]["strategy"] == row["strategy"])
+        assert error.startswith(row["reason"].split(" (and ")[0]) and len(row["reason"]) <= 330
+    text = format_vae_reports(reports)
+    assert text.count("tt-mlir refused it: ") == 2 and "3.1x" in text
+    alone = vae_outcome([r for r in reports if r["request"]["strategy"] == "annotate"], "annotate")
+    assert not alone["ok"] and alone["error"].startswith("tt-mlir refused the annotate strategy's first step: "
+                                                         "XlaRuntimeError: INTERNAL: Could not convert shardy")

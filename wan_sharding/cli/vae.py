@@ -145,7 +145,7 @@ def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, 
     halo beside its alternatives, bill by bill. The report and the IRs it names go to ``out``;
     ``prune(cited)`` removes the rest (unless ``--keep-irs``) and returns the bytes freed."""
     from ..compile import CompileError
-    from ..compile.vae import STEPS, VaeCompileRequest, compile_vae as run, refusal
+    from ..compile.vae import STEPS, VaeCompileRequest, compile_vae as run
     from ..options import settings_line
     from ..workers import atomic_write
 
@@ -161,14 +161,8 @@ def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, 
     except CompileError as e:
         print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return 2
-    # the bill is the first strategy's (halo's, with --strategy all); the alternatives it is compared
-    # with may be refused by tt-mlir, which is a finding (a row), not a failure of the command
-    halo = [r for r in reports if r["request"]["strategy"] == strategies[0]]
-    refused = [{"strategy": r["request"]["strategy"], "step": r["request"]["step"], "reason": refusal(r.get("error"))}
-               for r in reports if not r.get("ok")]
     report = {"component": "vae", "reports": reports, "wall_seconds": round(time.perf_counter() - t0, 2),
-              "ok": all(r.get("ok") for r in halo), "bill_ok": all(r.get("bill_ok", False) for r in halo),
-              "refused": refused}
+              **vae_outcome(reports, strategies[0])}
     if not args.keep_irs:  # the TTNN IR each report names stays; the other dumps go
         cited = {f"{i}_{k}": v for i, r in enumerate(reports) for k, v in r.items() if k.endswith("_path")}
         report["removed_bytes"] = prune(cited)
@@ -183,12 +177,26 @@ def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, 
         print(f"report: {report['report_path']}, with " + ("every IR (--keep-irs)" if args.keep_irs
                                                             else "the IRs it names (--keep-irs: every one)"))
         print(f"(wall time with process start-up: {report['wall_seconds']:.0f} s)")
-    if not report["ok"]:  # the strategy asked for (halo, with --strategy all) did not compile
-        failed = [r for r in refused if r["strategy"] == strategies[0]]
-        print(f"wan-sharding {args.command}: error: tt-mlir refused the {strategies[0]} strategy's "
-              f"{', '.join(r['step'] for r in failed)} step: {failed[0]['reason']}", file=sys.stderr)
-        return 1
-    return 0 if report["bill_ok"] else 1
+    if report["error"]:
+        print(f"wan-sharding {args.command}: error: {report['error']}", file=sys.stderr)
+    return 0 if report["ok"] and report["bill_ok"] else 1
+
+
+def vae_outcome(reports: list[dict[str, Any]], billed: str) -> dict[str, Any]:
+    """What a ``compile --component vae`` run amounts to: ``ok`` and ``bill_ok`` are the ``billed``
+    strategy's (the one asked for; ``halo`` with ``--strategy all``); the alternatives it is compared
+    with may be refused by tt-mlir, which is a finding (a row of ``refused``, with its reason cut at
+    whole clauses), not a failure of the command. ``error``: the one line to print when the billed
+    strategy itself was refused (exit 1), else ``None``."""
+    from ..compile.vae import refusal
+
+    own = [r for r in reports if r["request"]["strategy"] == billed]
+    refused = [{"strategy": r["request"]["strategy"], "step": r["request"]["step"], "reason": refusal(r.get("error"))}
+               for r in reports if not r.get("ok")]
+    failed = [r for r in refused if r["strategy"] == billed]
+    error = (f"tt-mlir refused the {billed} strategy's {', '.join(r['step'] for r in failed)} step: "
+             f"{failed[0]['reason']}" if failed else None)
+    return {"ok": not failed, "bill_ok": all(r.get("bill_ok", False) for r in own), "refused": refused, "error": error}
 
 
 def format_vae_reports(reports: list[dict[str, Any]]) -> str:
