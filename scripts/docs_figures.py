@@ -312,6 +312,22 @@ def vae_cpu(root: Path) -> str:
     return "\n".join(lines)
 
 
+def text_encoder_cpu(root: Path) -> str:
+    d = _load(root, "text_encoder.json")["timing"]
+    rows = d["rows"]
+    ms = lambda xs: f"{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}"  # noqa: E731
+    lines = [f"`{d['command']}` ({_date(d)}, `results/text_encoder.json` `timing`), the tiny encoder on "
+             f"{rows[0]['mesh']}, medians of {len(rows[0]['host_s'])} warm pairs (their range in brackets), "
+             "milliseconds:", "",
+             "| process (backend) | prompt tokens | pair on the host (eager) | pair on the mesh (warm) | mesh / host | "
+             "first pair on the mesh (compiles) | max-abs vs host |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['backend']} | {r['tokens']} | {r['pair_host_s'] * 1e3:.1f} ({ms(r['host_s'])}) | "
+                     f"{r['pair_mesh_s'] * 1e3:.1f} ({ms(r['mesh_s'])}) | {r['mesh_over_host']:.2f} | "
+                     f"{r['first_pair_mesh_s']:.2f} s | {r['max_abs']:.1e} |")
+    return "\n".join(lines)
+
+
 SYSTEM_WORDS = {"bh-2x4": "BH 2x4", "bh-galaxy": "BH Galaxy (8x4)", "bh-4x32": "BH 4x32"}
 MEASURED_SOURCE = {"bh-2x4": " (#41873)", "bh-galaxy": " traced (#45975)"}
 
@@ -361,6 +377,7 @@ BLOCKS: dict[str, Block] = {
     "vae-check": Block("docs/vae.md", vae_check, "results/vae.json"),
     "vae-cpu": Block("docs/vae.md", vae_cpu, "results/vae.json"),
     "stages": Block("docs/pipeline-stages.md", stages, "results/stages.json"),
+    "text-encoder-cpu": Block("docs/pipeline-stages.md", text_encoder_cpu, "results/text_encoder.json"),
 }
 
 
