@@ -425,7 +425,7 @@ def write_result(path: Path, doc: dict, volatile: tuple[str, ...] = ("date",)) -
     refreshes the date leaves the tracked file, and the pages quoting it, as they were. Returns
     whether it wrote."""
     sys.path.insert(0, str(ROOT))
-    from wan_sharding.workers import atomic_write
+    from wan_sharding.runtime.workers import atomic_write
 
     text = json.dumps(doc, indent=1) + "\n"
     if path.exists():

@@ -447,7 +447,7 @@ def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tu
     import subprocess
     from pathlib import Path
 
-    from wan_sharding import scratch
+    from wan_sharding.runtime import scratch
     from wan_sharding.jobs.launch import worker_env
 
     script = Path(__file__).with_name("tt_graphs.py")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..activation import SPHandle
+from ..dit.activation import SPHandle
 from ..backends import Backend
 from ..mesh import MeshSpec
 from ..patches.prompt_kv import prompt_inputs
