@@ -218,7 +218,7 @@ def format_vae_reports(reports: list[dict[str, Any]]) -> str:
                      f"{format_bytes(r['collective_bytes']):>10} {r['runtime_ops']:>11}  "
                      f"{'ok' if r['bill_ok'] else 'OVER: ' + '; '.join(r['bill_problems'][:2])}")
     head = reports[0]["request"]
-    which = {"first": "the first latent frame's", "second": "the second latent frame's (a cache of one frame)",
+    which = {"first": "the first latent frame's", "second": "the second latent frame's, its cache one frame",
              "steady": "the one every latent frame from the third reuses"}
     split = next((r["frame_split"] for r in reports if r.get("frame_split")), None)
     return (f"VAE {head['kind']} decode step ({which[head.get('step', 'first')]}) at {head['resolution']} on "
