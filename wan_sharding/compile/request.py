@@ -210,8 +210,11 @@ class CompileRequest:
 
         if self.composites not in COMPOSITE_SETS:
             raise CompileError(f"unknown composite set {self.composites!r}; choose one of {', '.join(COMPOSITE_SETS)}")
+        from .options import check_plugin_support
+        from .sysdesc import installed_plugin_version
+
         try:
-            self.options()
+            check_plugin_support(self.options(), installed_plugin_version())
         except ValueError as e:
             raise CompileError(str(e)) from None
         return self
