@@ -100,6 +100,20 @@ class XlaBackend(Backend):
             xs.mark_sharding(param, self.native_mesh, spec)
         return None
 
+    def place_lora(self, dit: torch.nn.Module, placed: Any, specs: Mapping[str, Spec]) -> None:
+        """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh again, each
+        from a host copy (a hotswap or a new adapter may have left it on the host, or written it in
+        place); the base weights stay as they are."""
+        import torch_xla.distributed.spmd as xs
+
+        for name, spec in specs.items():
+            owner, _, attr = name.rpartition(".")
+            module = dit.get_submodule(owner)
+            host = module._parameters[attr].detach().to("cpu")
+            module._parameters[attr] = torch.nn.Parameter(host.to(self.device), requires_grad=module._parameters[attr].requires_grad)
+            xs.mark_sharding(module._parameters[attr], self.native_mesh, spec)
+        self.__dict__.get("_cache_programs", {}).pop(id(dit), None)  # dynamo's guards hold the old parameters
+
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         import torch_xla.distributed.spmd as xs
 
