@@ -114,8 +114,10 @@ def run_case(variant: str = "t2v-a14b", backend: str = "jax", mesh: str = "2x4",
 
 
 def main(argv: list[str] | None = None) -> None:
-    case = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    print("RESULT " + json.dumps(run_case(**case)), flush=True)
+    """Runs the case (a JSON object) or cases (a JSON list) given, one ``RESULT`` line each."""
+    cases = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    for case in cases if isinstance(cases, list) else [cases]:
+        print("RESULT " + json.dumps(run_case(**case)), flush=True)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ class LoraStandIn:
                             f"which reads the file first; got {type(state).__name__}")
         name = kwargs.get("adapter_name")
         check_adapter_state(self.dit, state, prefix=prefix, hotswap_of=name if hotswap else None)
+        self._lora_to_host()
         self.dit.load_lora_adapter(state, prefix=prefix, hotswap=hotswap, **kwargs)
         try:
             self._place_lora()
@@ -77,6 +78,7 @@ class LoraStandIn:
             raise
 
     def delete_adapters(self, adapter_names: Any) -> None:
+        self._lora_to_host()
         self.dit.delete_adapters(adapter_names)
         self._place_lora()
 
@@ -89,6 +91,18 @@ class LoraStandIn:
                             "sharding (shard_pipeline(..., lora='fuse')), or keep the adapters unfused")
 
     unfuse_lora = fuse_lora
+
+    def _lora_to_host(self) -> None:
+        """Before PEFT writes LoRA weights (a hotswap copies into them in place): the host copies
+        the handle keeps in the model again, so the writes are host copies and the device copies
+        are placed afresh after, instead of a device graph per weight written and read back."""
+        handle = self._sharding
+        if handle.host_tensors is None:
+            return
+        owners = {id(self.dit.get_submodule(n.rpartition(".")[0])) for n in lora_parameters(self.dit)}
+        for module, kind, name, tensor in handle.host_tensors:
+            if kind == "param" and id(module) in owners and module._parameters.get(name) is not tensor:
+                module.register_parameter(name, tensor)
 
     def _place_lora(self) -> None:
         """Every LoRA parameter of the real model placed with its spec (base weights untouched);
