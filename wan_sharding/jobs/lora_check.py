@@ -41,9 +41,15 @@ def _apply(pipe: Any, names: list[str], weights: tuple | None) -> None:
         pipe.set_adapters(names, list(weights[: len(names)]))
 
 
-def run_case(variant: str = "t2v-a14b", backend: str = "jax", mesh: str = "2x4", cfg: bool = False,
-             cache: str | None = None, steps: int = 2, fuse: bool = False, rank: int = 4) -> dict[str, Any]:
-    """One case (module docstring): ``{"states": [{state, pcc, max_abs, compiles}], "hotswap": ...}``."""
+def run_case(**case: Any) -> dict[str, Any]:
+    """One case (module docstring): ``{"states": [{state, pcc, max_abs, compiles}], "hotswap": ...}``;
+    the adapter files live in a temporary folder removed after."""
+    with tempfile.TemporaryDirectory(prefix="lora-check-") as tmp:
+        return _run_case(Path(tmp), **case)
+
+
+def _run_case(tmp: Path, variant: str = "t2v-a14b", backend: str = "jax", mesh: str = "2x4", cfg: bool = False,
+              cache: str | None = None, steps: int = 2, fuse: bool = False, rank: int = 4) -> dict[str, Any]:
     import torch
 
     if backend == "xla":
@@ -66,7 +72,6 @@ def run_case(variant: str = "t2v-a14b", backend: str = "jax", mesh: str = "2x4",
     torch.manual_seed(0)
     pipe = build_tiny_pipeline(variant, text_encoder=False)
     two = getattr(pipe, "transformer_2", None) is not None
-    tmp = Path(tempfile.mkdtemp(prefix="lora-check-"))
     first = pipe.transformer
     requests = [LoraRequest(str(write_adapter(tmp / "a.safetensors", first, rank=rank, seed=1, fmt="wan", bias=True)), 0.8),
                 LoraRequest(str(write_adapter(tmp / "b.safetensors", first, rank=2 * rank, seed=2, blocks_only=True)), 1.3)]
