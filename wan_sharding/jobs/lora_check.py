@@ -127,3 +127,55 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def block_bill(rank: int = 4, mesh: str = "2x4", variant: str = "t2v-a14b", blocks: int = 2) -> dict[str, Any]:
+    """What an adapter on every Linear of the blocks adds to one compiled forward of the tiny DiT on
+    ``mesh`` (jax, partitioned HLO), per block: instructions, collectives by kind and their bytes."""
+    import copy
+
+    from ..pipeline import diffusers_without_torch_xla
+
+    diffusers_without_torch_xla()
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
+
+    from ..compose import shard_dit
+    from ..lora.tiny import adapter_state
+    from ..models import build_dit, dit_inputs, latent_for_tokens
+
+    base = build_dit(variant, num_layers=blocks)
+    inputs = dit_inputs(variant, latent_for_tokens(48))
+    out: dict[str, Any] = {"variant": variant, "mesh": mesh, "rank": rank, "blocks": blocks}
+    for name in ("base", "lora"):
+        dit = copy.deepcopy(base)
+        if name == "lora":
+            state = adapter_state(dit, rank=rank, fmt="wan", blocks_only=True)
+            dit.load_lora_adapter(_convert_non_diffusers_wan_lora_to_diffusers(state), adapter_name="a")
+        handle = shard_dit(dit, mesh, backend="jax")
+        out[name] = hlo_bill(handle.backend.compile(dit, handle.placed, **inputs).text)
+        handle.remove()
+    out["per_block"] = {k: (out["lora"][k] - out["base"].get(k, 0)) / blocks for k in out["lora"]}
+    return out
+
+
+def hlo_bill(text: str) -> dict[str, int]:
+    """Instructions of a partitioned HLO module's entry computation and below, and each collective
+    kind's count and output bytes (``all-reduce``, ``all-reduce bytes``, ...)."""
+    import re
+
+    sizes = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4, "s64": 8}
+    bill = {"instructions": 0}
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\w+)\[([\d,]*)\][^ ]* ([\w\-]+)\(", line)
+        if not m:
+            continue
+        bill["instructions"] += 1
+        dtype, dims, op = m.groups()
+        kind = op.removesuffix("-start")
+        if kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            bill[kind] = bill.get(kind, 0) + 1
+            bill[f"{kind} bytes"] = bill.get(f"{kind} bytes", 0) + n * sizes.get(dtype, 4)
+    return bill
