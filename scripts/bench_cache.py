@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 from wan_sharding.caching import CACHE_KINDS  # noqa: E402
 from wan_sharding.jobs.generate import cache_compare_in_subprocess  # noqa: E402
-from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write, install_signal_handlers  # noqa: E402
 
 
 BLOCK_CACHES = ("fbc", "mag")  # the kinds with a speed goal: cached / uncached <= computed fraction + 0.15

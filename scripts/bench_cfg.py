@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 from wan_sharding.jobs.profile import CPU_NOTE, run_profile  # noqa: E402
 from wan_sharding.mesh import with_cfg  # noqa: E402
 from wan_sharding.plan import ShardingPlan  # noqa: E402
-from wan_sharding.workers import WorkerError, atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.runtime.workers import WorkerError, atomic_write, install_signal_handlers  # noqa: E402
 
 CLI = [sys.executable, "-m", "wan_sharding.cli"]
 

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 from wan_sharding.compile import CompileRequest, compile_reports, latent_for, sysdesc  # noqa: E402
 from wan_sharding.options import PADDING_NAMES  # noqa: E402
-from wan_sharding.workers import atomic_write  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write  # noqa: E402
 
 TABLE_OPS = ("all_reduce", "all_gather", "mesh_partition", "slice_static", "pad", "matmul", "linear")
 

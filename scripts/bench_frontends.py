@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 from wan_sharding.compile import FRONTENDS, CompileRequest, compile_reports, latent_for, sysdesc  # noqa: E402
 from wan_sharding.compile.report import comparison_row  # noqa: E402
-from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write, install_signal_handlers  # noqa: E402
 
 def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"

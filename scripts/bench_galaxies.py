@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 from wan_sharding.compile import CompileRequest, compile_reports, latent_for, sysdesc  # noqa: E402
 from wan_sharding.mesh import mesh_from_preset  # noqa: E402
-from wan_sharding.workers import atomic_write  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write  # noqa: E402
 
 MESHES = ("4x16-tt-metal", "4x32-tt-metal", "8x8-dual-galaxy", "8x16-quad-galaxy")
 # tt-metal's views of the 16x4 and 32x4 systems on either chip; tt-xla's Wormhole systems on theirs

@@ -46,7 +46,7 @@ from wan_sharding.compile import CompileRequest, compile_reports, latent_for  # 
 from wan_sharding.compile.causes import CAUSES  # noqa: E402
 from wan_sharding.compile.ttnn_ir import BOOKKEEPING_OPS, COLLECTIVES  # noqa: E402
 from wan_sharding.patches import EXACT_PATCHES  # noqa: E402
-from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write, install_signal_handlers  # noqa: E402
 
 # TTNN op name -> class, for the per-block table.
 CLASSES = {

@@ -79,7 +79,7 @@ def memory(ranks=(32, 64, 128), meshes=("2x4", "8x4")) -> list[dict]:
 
     from wan_sharding.lora.tiny import BLOCK_TARGETS, MODEL_TARGETS
     from wan_sharding.models import build_dit
-    from wan_sharding.specs import shard_dit_specs
+    from wan_sharding.dit.specs import shard_dit_specs
 
     targets = sorted({p.split(".")[-1] if not p[-1].isdigit() else ".".join(p.split(".")[-2:])
                       for p in (*BLOCK_TARGETS, *MODEL_TARGETS)})

@@ -24,7 +24,7 @@ from pathlib import Path
 from wan_sharding.compile import CompileRequest, TTNNModule, bill_ok, compile_many, latent_for, per_block_bill
 from wan_sharding.compile.bill import DATA_MOVEMENT_OPS, masked_attention_per_block, padding_cost, split_ops, tile_alignment
 from wan_sharding.mesh import mesh_from_preset
-from wan_sharding.workers import atomic_write
+from wan_sharding.runtime.workers import atomic_write
 
 MODES = ("none", "slice", "mask")
 DEPTHS = (1, 40)

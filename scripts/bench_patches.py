@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 from wan_sharding.compile import FRONTENDS, CompileRequest, compile_reports, latent_for, sysdesc  # noqa: E402
 from wan_sharding.compile.report import comparison_row  # noqa: E402
 from wan_sharding.patches import EXACT_PATCHES, PATCHES  # noqa: E402
-from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write, install_signal_handlers  # noqa: E402
 
 SHOWN_OPS = ("matmul", "linear", "rows_scatter", "typecast", "reshape", "permute")
 

@@ -44,8 +44,8 @@ from wan_sharding.plan import ShardingPlan  # noqa: E402
 from wan_sharding.planner import Workload, chip, fabric_for, plan_sharding  # noqa: E402
 from wan_sharding.planner.compiled import estimate_from_results, requests_for  # noqa: E402
 from wan_sharding.planner.analytic import block_cost  # noqa: E402
-from wan_sharding import scratch  # noqa: E402
-from wan_sharding.workers import atomic_write  # noqa: E402
+from wan_sharding.runtime import scratch  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write  # noqa: E402
 
 import docs_figures  # noqa: E402  (scripts/, beside this one)
 

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 from wan_sharding.jobs.launch import UNSHARDED  # noqa: E402
 from wan_sharding.jobs.profile import CPU_NOTE, PROFILE_LATENTS, run_profile  # noqa: E402
-from wan_sharding.workers import WorkerError, atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.runtime.workers import WorkerError, atomic_write, install_signal_handlers  # noqa: E402
 
 
 def profile(backend: str, mesh: str, padding: str, args: argparse.Namespace) -> list[dict]:

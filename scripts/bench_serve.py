@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from wan_sharding.serve import Client, ServeError
-from wan_sharding.workers import atomic_write
+from wan_sharding.runtime.workers import atomic_write
 
 CLI = [sys.executable, "-m", "wan_sharding.cli"]
 SETTINGS = ["--backend", "jax", "--mesh", "2x4"]

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 from wan_sharding.compile import CompileRequest, compile_reports  # noqa: E402
 from wan_sharding.jobs.text_encoder import stage_timing_in_subprocess  # noqa: E402
-from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write, install_signal_handlers  # noqa: E402
 
 MESHES = ("1x4", "2x4", "8x4")
 # torch-xla at full width: the vocabulary that keeps the trace within this host's memory per mesh

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from wan_sharding.jobs.fuzz import MAX_ABS, MESHES, fuzz_cases, run_fuzz  # noqa: E402
 from wan_sharding.options import CPU_BACKENDS  # noqa: E402
-from wan_sharding.workers import atomic_write  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write  # noqa: E402
 
 
 def main() -> int:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from wan_sharding.workers import atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.runtime.workers import atomic_write, install_signal_handlers  # noqa: E402
 
 SHAPE = (8 * 64, 128, 256)  # split 8 ways on dim 0 (the shard dim), 4 ways on dim 1
 

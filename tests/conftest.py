@@ -77,7 +77,7 @@ def pytest_configure(config):
         pytest.exit("dry run", returncode=0)
 # Every process the tests start (commands, their workers, scripts) gets an empty TMPDIR of its own,
 # which must be empty again after each test module: no command leaves anything in the temp dir,
-# finished, failed or interrupted (wan_sharding.scratch). This process keeps the usual temp dir,
+# finished, failed or interrupted (wan_sharding.runtime.scratch). This process keeps the usual temp dir,
 # where pytest's tmp_path folders live.
 tempfile.tempdir = tempfile.gettempdir()
 COMMANDS_TMPDIR = Path(tempfile.mkdtemp(prefix="wan-sharding-tests-tmpdir-"))
@@ -104,8 +104,8 @@ def stock_rotary_in_bf16():
     """For an in-process torchax trace of diffusers' own attention processor in bf16: its
     interleaved rotary writes float32 products into a bf16 tensor, which JAX 0.7.1's scatter casts
     with a FutureWarning (the same values torch gives). Workers drop that one warning by message and
-    module (wan_sharding.noise); here it is dropped inside the block only, by its message."""
-    from wan_sharding.noise import HARMLESS
+    module (wan_sharding.runtime.noise); here it is dropped inside the block only, by its message."""
+    from wan_sharding.runtime.noise import HARMLESS
 
     (entry,) = [e for e in HARMLESS if e.category is FutureWarning]
     with warnings.catch_warnings():

@@ -3,7 +3,7 @@
 import torch
 
 from wan_sharding.mesh import padded_length
-from wan_sharding.attention import ForwardState, MaskPaddedKeys, SliceKV, build_key_mask
+from wan_sharding.dit.attention import ForwardState, MaskPaddedKeys, SliceKV, build_key_mask
 from wan_sharding.models import build_dit
 
 

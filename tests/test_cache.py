@@ -23,7 +23,7 @@ from wan_sharding.caching.probes import compiled_units, install_probe
 from wan_sharding.jobs.generate import cache_compare_in_subprocess
 from wan_sharding.jobs.launch import worker_env
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
-from wan_sharding.workers import run_worker
+from wan_sharding.runtime.workers import run_worker
 
 KINDS = [k for k in CACHE_KINDS if k != "none"]
 STEPS = 6  # each A14B expert runs 3: enough for every kind's Wan defaults to skip

@@ -22,7 +22,8 @@ from wan_sharding.lora.fuse import fuse_lora_layers
 from wan_sharding.lora.tiny import adapter_state, write_adapter
 from wan_sharding.lora_layers import LoraError, check_layers, live_scales
 from wan_sharding.models import build_dit, dit_inputs, latent_for_tokens
-from wan_sharding.specs import LoraShardingError, shard_dit_specs
+from wan_sharding.dit.specs import shard_dit_specs
+from wan_sharding.specs import LoraShardingError
 
 PCC_MIN, MAX_ABS = 0.99999, 1e-4  # the suite's fp32 grade (observed: 1 - 1e-13, 3e-6)
 

@@ -304,7 +304,7 @@ def test_contract_the_tt_worker_gets_exactly_the_helpers_environment(cli_worker_
     assert one["PJRT_DEVICE"] == multi["PJRT_DEVICE"] == "TT"
     assert not any(k.startswith(("TT_DISTRIBUTED", "TT_RUNTIME")) for k in one)
     # TMPDIR: every worker's own temp folder, made by the worker runner for each worker it starts
-    # (wan_sharding.scratch.worker_tmpdir), so it differs between any two workers, one host or several
+    # (wan_sharding.runtime.scratch.worker_tmpdir), so it differs between any two workers, one host or several
     assert "TMPDIR" in one and "TMPDIR" in multi
     changed = {k: v for k, v in multi.items() if one.get(k) != v and k != "TMPDIR"}
     assert changed == expected
@@ -350,8 +350,8 @@ def test_serve_restarts_the_controller_with_the_same_environment(tmp_path, monke
     finally:
         sup.stop("test over")
     # the same environment both times, the spec's, but for what the worker runner sets for every worker
-    # it starts: its parent, its own temp folder (a new one per worker: wan_sharding.scratch.worker_tmpdir)
-    # and progress bars off without a terminal (wan_sharding.noise.progress_env)
+    # it starts: its parent, its own temp folder (a new one per worker: wan_sharding.runtime.scratch.worker_tmpdir)
+    # and progress bars off without a terminal (wan_sharding.runtime.noise.progress_env)
     runner = ("WAN_SHARDING_PARENT", "TMPDIR", "TQDM_DISABLE")
     starts = [{k: v for k, v in json.loads(line).items() if k not in runner} for line in log.read_text().splitlines()]
     assert len(starts) == 2 and starts[0] == starts[1]

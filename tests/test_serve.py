@@ -31,7 +31,7 @@ import pytest
 from conftest import CPU_COMPILE_FLAGS
 from test_workers import _workers_of
 
-from wan_sharding import scratch
+from wan_sharding.runtime import scratch
 from wan_sharding.cli import UsageError, build_parser
 from wan_sharding.serve import Client
 

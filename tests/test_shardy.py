@@ -149,7 +149,7 @@ def test_converted_module_compiles_on_tt(tmp_path: Path, request: pytest.Fixture
     """The converted Linear-pair module compiles on the TT PJRT client in compile-only mode (and
     the GSPMD original does not). First in the file on purpose: the plugin starts up (~20 s,
     mostly waiting) while the torch-xla probes run."""
-    from wan_sharding import scratch
+    from wan_sharding.runtime import scratch
     from wan_sharding.compile.runner import prepare_descriptor, worker_env
 
     desc = prepare_descriptor(arch="wormhole_b0", num_chips=8, directory=tmp_path)

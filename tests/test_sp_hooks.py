@@ -12,7 +12,7 @@ import torch
 
 from wan_sharding import (BackendError, ShardingError, apply_dit_sp_activation_sharding, get_backend,
                           shard_dit_specs)
-from wan_sharding.attention import MaskPaddedKeys, SliceKV
+from wan_sharding.dit.attention import MaskPaddedKeys, SliceKV
 from wan_sharding.jobs.pcc import pcc
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 

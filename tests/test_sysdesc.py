@@ -187,7 +187,7 @@ _PROBE = textwrap.dedent(
 
 
 def _run_plugin(desc: Path) -> subprocess.CompletedProcess[str]:
-    from wan_sharding import scratch
+    from wan_sharding.runtime import scratch
     from wan_sharding.compile.runner import worker_env
 
     # A private TMPDIR: the plugin keeps its descriptor copy at a fixed path under it.

@@ -447,7 +447,7 @@ def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tu
     import subprocess
     from pathlib import Path
 
-    from wan_sharding import scratch
+    from wan_sharding.runtime import scratch
     from wan_sharding.jobs.launch import worker_env
 
     script = Path(__file__).with_name("tt_graphs.py")
@@ -687,7 +687,7 @@ def test_tt_backend_marks_lora_weights_beside_their_base_and_runs_the_adapters(t
     the adapters with their live weights; ``place_lora`` marks the LoRA weights only, base untouched."""
     from wan_sharding.lora.tiny import adapter_state
     from wan_sharding.lora_layers import lora_parameters
-    from wan_sharding.specs import shard_dit_specs
+    from wan_sharding.dit.specs import shard_dit_specs
 
     marks = []
     spmd = types.ModuleType("torch_xla.distributed.spmd")

@@ -1,4 +1,4 @@
-"""The one worker runner (wan_sharding.workers): protocol, watchdog, cleanup, atomic files, and
+"""The one worker runner (wan_sharding.runtime.workers): protocol, watchdog, cleanup, atomic files, and
 that interrupting a command leaves none of its workers running."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import CPU_COMPILE_FLAGS
 
-from wan_sharding.workers import PARENT_ENV, atomic_path, atomic_write, run_worker
+from wan_sharding.runtime.workers import PARENT_ENV, atomic_path, atomic_write, run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def _worker_module(tmp_path: Path, body: str) -> tuple[str, dict[str, str]]:
     """A throwaway worker module ``fake_worker`` on PYTHONPATH, running ``body`` as its job."""
     (tmp_path / "fake_worker.py").write_text(textwrap.dedent('''
         import sys, time
-        from wan_sharding.workers import emit, worker_main
+        from wan_sharding.runtime.workers import emit, worker_main
 
         def job(params):
         ''') + textwrap.indent(textwrap.dedent(body), "    ") + "\nsys.exit(worker_main(job))\n")
@@ -47,7 +47,7 @@ def test_protocol_params_in_results_out(tmp_path):
 def test_a_worker_gets_a_private_tmpdir_and_no_harmless_noise(tmp_path):
     """Each worker writes its temporary files in a TMPDIR of its own, deleted when it stops (what
     it left there included); the known-harmless third-party messages are dropped by message and
-    module (wan_sharding.noise): the real ones, from flax's import and from a JAX scatter called
+    module (wan_sharding.runtime.noise): the real ones, from flax's import and from a JAX scatter called
     from diffusers' Wan module, while the same messages from anywhere else still show."""
     wan = tmp_path / "diffusers" / "models" / "transformers" / "transformer_wan.py"
     wan.parent.mkdir(parents=True)
@@ -55,7 +55,7 @@ def test_a_worker_gets_a_private_tmpdir_and_no_harmless_noise(tmp_path):
                    "    return jnp.zeros(4, jnp.bfloat16).at[:1].set(jnp.ones(1, jnp.float32))\n")
     module, env = _worker_module(tmp_path, f'''
         import importlib.util, logging, os, tempfile
-        from wan_sharding import noise
+        from wan_sharding.runtime import noise
         from wan_sharding.backends.jax_plugins import keep_plugins_out_of_cpu_jax
         keep_plugins_out_of_cpu_jax()  # CPU JAX, as a jax worker runs it
         import jax.numpy as jnp
@@ -82,7 +82,7 @@ def test_a_worker_gets_a_private_tmpdir_and_no_harmless_noise(tmp_path):
 def test_roots_of_processes_that_died_are_swept(tmp_path):
     """A command killed outright (SIGKILL) cannot remove its scratch root; the next one that makes
     a root removes the roots of processes that are gone, and only those."""
-    from wan_sharding import scratch
+    from wan_sharding.runtime import scratch
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
@@ -102,7 +102,7 @@ def test_roots_of_processes_that_died_are_swept(tmp_path):
 def test_a_scratch_folder_goes_when_its_work_ends_and_a_given_one_stays(tmp_path):
     """What the planner compiles in without ``--out`` (``scratch.folder``): removed however the
     block ends; a folder the caller names is kept."""
-    from wan_sharding import scratch
+    from wan_sharding.runtime import scratch
 
     with pytest.raises(KeyboardInterrupt):
         with scratch.folder(None, "plan-") as work:
@@ -285,7 +285,7 @@ def test_a_command_killed_outright_is_cleaned_up_by_the_next(tmp_path):
     """SIGKILL gives a command no chance to clean up: its worker dies with it (parent-death signal)
     and its scratch root stays, with torch's import-time temp folder beside it; the next command
     that makes a root (the same ``sweep``) removes both, and the temp dir is empty again."""
-    from wan_sharding import scratch
+    from wan_sharding.runtime import scratch
 
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()

@@ -19,14 +19,15 @@ The public API, all of it acting on one model instance and undone by ``remove()`
   Megatron TP on the mesh (``shard_pipeline(..., text_encoder=True)`` does it for a pipeline).
 """
 
-from .activation import SPHandle, apply_dit_sp_activation_sharding
 from .backends import BACKENDS, Backend, BackendError, get_backend
 from .compose import DitHandle, shard_dit
+from .dit.activation import SPHandle, apply_dit_sp_activation_sharding
+from .dit.specs import shard_dit_specs
 from .mesh import PRESETS, MeshError, MeshSpec, mesh_for_device_count, mesh_from_preset, with_cfg
 from .patches import PatchError, apply_patches
 from .pipeline import PipelineHandle, diffusers_without_torch_xla, shard_pipeline
 from .plan import WAN_SP_POINTS, WAN_TP_TABLE, PlanError, ShardingPlan
-from .specs import ShardingError, ShardSpecs, shard_dit_specs
+from .specs import ShardingError, ShardSpecs
 from .text_encoder import TextEncoderHandle, shard_text_encoder, shard_text_encoder_specs
 from .vae import VaeHandle, shard_vae
 

@@ -25,16 +25,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .activation import SPHandle, apply_dit_sp_activation_sharding, check_sp
 from .backends import Backend, get_backend
 from .backends.base import move_module
+from .dit.activation import SPHandle, apply_dit_sp_activation_sharding, check_sp
+from .dit.specs import check_wan_model, shard_dit_specs
 from .hooks import has_sp
 from .lora_layers import LoraError, check_layers
 from .mesh import MeshSpec, as_mesh_spec
 from .options import DEFAULT_PADDING, PADDING_NAMES
 from .patches import apply_patches, check_patches
 from .plan import PlanError, ShardingPlan
-from .specs import LoraShardingError, ShardingError, ShardSpecs, check_wan_model, shard_dit_specs
+from .specs import LoraShardingError, ShardingError, ShardSpecs
 
 __all__ = ["DitHandle", "OnResolved", "Resolved", "ShardHandle", "check_dit", "host_tensors", "model_device", "resolve",
            "shard_dit", "shard_module"]
@@ -294,7 +295,7 @@ def shard_dit(dit: torch.nn.Module, mesh_or_plan: Any = None, backend: str | Bac
         backend: ``"jax"`` (torchax, the default), ``"xla"`` (torch-xla SPMD), ``"tt"`` (Tenstorrent
             hardware) or a :class:`~wan_sharding.backends.Backend` bound to the mesh.
         padding: ``"mask"`` (default), ``"slice"`` or ``"none"``
-            (:func:`~wan_sharding.activation.apply_dit_sp_activation_sharding`); a plan's otherwise.
+            (:func:`~wan_sharding.dit.activation.apply_dit_sp_activation_sharding`); a plan's otherwise.
         patches: opt-in exact model rewrites by name (``wan_sharding.patches``).
         keep_host_weights: for backends that move the model to their device (``xla``, ``tt``): keep
             the original host parameter objects so ``remove()`` puts exactly those back; ``False``

@@ -5,7 +5,7 @@
 - :class:`RefusesCopy` and :class:`Hook`: an installed object that stops a deep copy or pickle of
   the model with a clear error, instead of copying a hook still bound to the original;
 - the registry of models that carry sequence-parallel hooks (:func:`sp_state`), which the SP hooks
-  (:mod:`wan_sharding.activation`) fill and the tt backend's RMSNorm pins and the patches read.
+  (:mod:`wan_sharding.dit.activation`) fill and the tt backend's RMSNorm pins and the patches read.
 """
 
 from __future__ import annotations

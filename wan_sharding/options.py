@@ -53,7 +53,7 @@ def vae_placement(value: str | None, backend: str) -> str:
 
 # ---- padding ---------------------------------------------------------------------------------
 # How the flat token dim is padded to SP x 32 and attention kept exact
-# (``wan_sharding.attention`` implements each; ``docs/design.md`` says what each costs).
+# (``wan_sharding.dit.attention`` implements each; ``docs/design.md`` says what each costs).
 PADDING_NAMES: tuple[str, ...] = ("mask", "slice", "none")
 # The key mask keeps attention exact with no op per block; K/V slice-back adds two slices to every
 # block (measured: docs/compile-only.md, "Padding: why `mask` is the default").

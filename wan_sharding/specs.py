@@ -2,8 +2,8 @@
 
 Works on a ``meta``-device model (only names and shapes are read), so the full 14B DiT can be
 planned and compiled without weights. The machinery is generic over models (a TP table in the
-``plan.py`` vocabulary, :func:`table_specs`); :func:`shard_dit_specs` is the DiT's use of it, and
-``wan_sharding.text_encoder.specs`` the UMT5 encoder's.
+``plan.py`` vocabulary, :func:`table_specs`); ``wan_sharding.dit.specs.shard_dit_specs`` is the DiT's
+use of it, and ``wan_sharding.text_encoder.specs`` the UMT5 encoder's.
 """
 
 from __future__ import annotations
@@ -28,18 +28,6 @@ class ShardingError(ValueError):
 class LoraShardingError(ShardingError, LoraError):
     """A loaded LoRA adapter that cannot be split exactly (a variant, an Embedding LoRA, a LoRA on
     a module no Linear rule covers); both a ShardingError and a LoraError."""
-
-
-def check_wan_model(dit: Any) -> None:
-    """Refuse anything that is not a diffusers ``WanTransformer3DModel``."""
-    from diffusers import WanTransformer3DModel
-
-    if not isinstance(dit, WanTransformer3DModel):
-        raise ShardingError(
-            f"expected a diffusers WanTransformer3DModel, got {type(dit).__name__}; "
-            "pass the pipeline's transformer (pipe.transformer / pipe.transformer_2), "
-            "or use shard_pipeline for a whole pipeline"
-        )
 
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:
@@ -151,10 +139,6 @@ def check_tp_divides(count: int, what: str, mesh: MeshSpec, why: str = "head-ali
         )
 
 
-def _check_heads(dit: torch.nn.Module, mesh: MeshSpec) -> None:
-    check_tp_divides(dit.config.num_attention_heads, "attention heads", mesh)
-
-
 class ShardSpecs(Mapping):
     """``{parameter tensor: spec}`` for every parameter, replicated ones spelled out.
 
@@ -214,33 +198,6 @@ class ShardSpecs(Mapping):
     __repr__ = __str__
 
 
-def shard_dit_specs(dit: torch.nn.Module, mesh_or_plan: Any, tp_table: Mapping[str, str] = WAN_TP_TABLE, *,
-                    fsdp: bool = False, plan: Any = None) -> ShardSpecs:
-    """Megatron tensor-parallel partition specs for every parameter of a Wan DiT.
-
-    Args:
-        dit: a diffusers ``WanTransformer3DModel`` (real weights or on the ``meta`` device).
-        mesh_or_plan: a preset name (``"1x4"``, ``"2x4"``, ``"8x4"``), a :class:`MeshSpec`, a
-            torch-xla / JAX mesh, or a :class:`~wan_sharding.plan.ShardingPlan` (its mesh roles and
-            ``fsdp`` then apply). The TP role's axis carries the split.
-        tp_table: module-path pattern -> style (defaults to :data:`WAN_TP_TABLE`).
-        fsdp: also shard each large weight over the SP axes (FSDP-style), see ``ShardingPlan``.
-        plan: a :class:`~wan_sharding.plan.ShardingPlan` given beside a mesh; it must be for that
-            mesh's shape.
-
-    Returns:
-        :class:`ShardSpecs`, a mapping from each parameter tensor to its spec.
-
-    Raises:
-        ShardingError: not a Wan model, heads or a sharded dim not divisible by TP, a parameter
-            the TP table does not cover, or a plan for another mesh. Nothing is changed on the model.
-    """
-    check_wan_model(dit)
-    mesh, fsdp = spec_mesh(mesh_or_plan, plan, fsdp)
-    _check_heads(dit, mesh)
-    return table_specs(dit, mesh, tp_table, fsdp=fsdp, fsdp_floor=fsdp_min_numel(dit) if fsdp else FSDP_MIN_NUMEL)
-
-
 def spec_mesh(mesh_or_plan: Any, plan: Any = None, fsdp: bool = False) -> tuple[MeshSpec, bool]:
     """The mesh with its roles, and whether FSDP applies, from what a specs function was given: a
     mesh (a preset, a :class:`MeshSpec`, a backend's own mesh) or a plan, or a mesh with a plan
@@ -281,6 +238,6 @@ def table_specs(model: torch.nn.Module, mesh: MeshSpec, tp_table: Mapping[str, s
 
 def replicated_specs(dit: torch.nn.Module, mesh: Any = (1, 1)) -> ShardSpecs:
     """Every parameter replicated: the unsharded baseline, in the same form as
-    :func:`shard_dit_specs` (so a backend places it the same way)."""
+    :func:`~wan_sharding.dit.specs.shard_dit_specs` (so a backend places it the same way)."""
     spec_mesh = as_mesh_spec(mesh)
     return ShardSpecs([(n, p, (None,) * p.ndim, REPLICATE) for n, p in dit.named_parameters()], spec_mesh)

@@ -20,7 +20,7 @@ import sys
 import traceback
 from typing import NoReturn
 
-from .. import scratch
+from ..runtime import scratch
 from . import check as check_commands
 from . import compile as compile_commands
 from . import pipeline as pipeline_commands
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..workers import install_signal_handlers
+    from ..runtime.workers import install_signal_handlers
 
     # The CLI process itself never runs a stack (its workers do, each with its own environment:
     # the tt backend's workers set PJRT_DEVICE=TT); say CPU up front so an import of torch-xla

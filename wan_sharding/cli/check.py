@@ -110,7 +110,7 @@ def _print_row(r: dict[str, Any], header: bool) -> None:
 
 def _specs(args: argparse.Namespace) -> int:
     from ..models import build_dit
-    from ..specs import shard_dit_specs
+    from ..dit.specs import shard_dit_specs
 
     mesh = cfg_plan(args.mesh, 2, None).mesh() if args.cfg == 2 else args.mesh  # named e.g. 8x4-cfg2
     if text_encoder.encoder_only(args):  # UMT5's specs on the same mesh rules

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import scratch
+from ..runtime import scratch
 from ..compile import (EXIT_ERROR, EXIT_OK, CompileError, CompileRequest, compile_reports, format_report, keep_cited,
                        latent_for, report_exit_code, sysdesc)
 from ..mesh import PRESETS, MeshError, mesh_from_preset
@@ -26,7 +26,7 @@ from ..compile.composites import COMPOSITE_SETS, DEFAULT_COMPOSITES
 from ..compile.request import FRONTENDS
 from ..compile.runner import WORK_FILES
 from ..models import RESOLUTIONS, VARIANTS
-from ..workers import atomic_write
+from ..runtime.workers import atomic_write
 from . import text_encoder
 from .args import add_cfg, add_component, add_dtype, add_multihost, add_overwrite, add_padding, add_patches, add_plan
 from .launch import binding_mesh, check_binding

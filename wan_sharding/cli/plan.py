@@ -34,8 +34,8 @@ from ..planner.ir_cost import ATTENTION_MODES
 from ..planner.report import EXIT_ERROR, format_report, plan_exit_code
 from ..plan import LAYOUTS
 from ..mesh import MeshError, parse_mesh_shape
-from .. import scratch
-from ..workers import atomic_path
+from ..runtime import scratch
+from ..runtime.workers import atomic_path
 from .args import add_multihost, add_overwrite, add_text_encoder
 from .launch import check_binding
 from .validate import UsageError, latent, output_dir, output_file, positive_float, positive_int

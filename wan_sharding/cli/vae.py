@@ -117,7 +117,7 @@ def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, 
     from ..compile import CompileError
     from ..compile.vae import STEPS, VaeCompileRequest, compile_vae as run
     from ..options import settings_line
-    from ..workers import atomic_write
+    from ..runtime.workers import atomic_write
 
     strategy = args.strategy or "halo"
     strategies = list(COMPILE_STRATEGIES) if strategy == "all" else [strategy]

@@ -4,7 +4,7 @@ The pieces, caller to worker and back:
 
 - :mod:`.request`: :class:`CompileRequest` (what to compile), :class:`CompileResult`, :func:`latent_for`;
 - :mod:`.runner`: :func:`compile_many` / :func:`compile_dit` (descriptor, environment, worker
-  processes through :func:`wan_sharding.workers.run_worker`);
+  processes through :func:`wan_sharding.runtime.workers.run_worker`);
 - :mod:`.worker` and :mod:`.lowering`: the worker process and the compile it runs;
 - :mod:`.sysdesc`: the system descriptors tt-mlir compiles against;
 - :mod:`.ttnn_ir`: the one parser of the TTNN text tt-mlir exports;

@@ -2,7 +2,7 @@
 
 Every compile runs in a worker subprocess (``python -m wan_sharding.compile.worker``, see
 :mod:`wan_sharding.compile.worker`), started through the package's one process runner
-(:func:`wan_sharding.workers.run_worker`: parameters as JSON on stdin, one ``RESULT`` line per
+(:func:`wan_sharding.runtime.workers.run_worker`: parameters as JSON on stdin, one ``RESULT`` line per
 result, the worker's process group killed whenever the caller leaves, Ctrl-C included). Why a
 subprocess: ``TT_COMPILE_ONLY_SYSTEM_DESC`` has to be set before JAX initialises its backends, and
 with the plugin installed a process that initialises JAX without it fails ("No chips detected").
@@ -10,7 +10,7 @@ The calling process (CLI, pytest) never imports JAX with the plugin.
 
 One worker compiles a batch of requests to pay the ~15-20 s of start-up (plugin, torch,
 diffusers) once. A worker that dies mid-compile (a compiler crash) or hangs (no CPU progress for
-:data:`wan_sharding.workers.STALL_SECONDS`) costs only the request it was compiling: that one is
+:data:`wan_sharding.runtime.workers.STALL_SECONDS`) costs only the request it was compiling: that one is
 recorded as failed and a fresh worker compiles the requests after it.
 """
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import scratch, workers
+from ..runtime import scratch, workers
 from . import sysdesc
 from .request import CompileError, CompileRequest, CompileResult
 
@@ -73,7 +73,7 @@ def prepare_descriptor(arch: str, num_chips: int, directory: str | os.PathLike[s
 def worker_env(descriptor: str | os.PathLike[str], tmpdir: str | os.PathLike[str] | None = None) -> dict[str, str]:
     """Environment for a plugin process: the descriptor set, no CPU-only JAX override, and
     ``tmpdir`` as its ``TMPDIR`` when given. The worker runner gives each worker a private one
-    anyway (:func:`wan_sharding.scratch.worker_tmpdir`): the plugin copies the descriptor to the
+    anyway (:func:`wan_sharding.runtime.scratch.worker_tmpdir`): the plugin copies the descriptor to the
     fixed path ``$TMPDIR/tt_pjrt_system_descriptor`` and deletes it when its process exits, and it
     unpacks its ~400 MB tt-metal runtime into ``$TMPDIR`` at every start, over what is there, so two
     plugin processes sharing one ``TMPDIR`` break each other (``docs/tt-mlir-notes.md``)."""
@@ -181,7 +181,7 @@ def compile_many(
         timeout: wall-clock seconds for all requests together.
         work_dir: where descriptors, logs and (for requests without ``out_dir``) IRs go;
             when ``None``, a fresh folder under this process's scratch root
-            (:func:`wan_sharding.scratch.scratch_dir`), deleted when the process exits.
+            (:func:`wan_sharding.runtime.scratch.scratch_dir`), deleted when the process exits.
         python: interpreter for the worker (default: this one).
         verbose: echo the worker log to stderr as it runs.
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import systems
-from ..workers import atomic_write
+from ..runtime.workers import atomic_write
 from . import ttsys
 
 __all__ = [
@@ -276,7 +276,7 @@ def write_system_descriptor(
     """Build a descriptor (see :func:`build_system_descriptor`) and write it to ``path``.
 
     Parent directories are created; the file is written through a temporary name and a rename
-    (:func:`wan_sharding.workers.atomic_write`), so it is never seen half-written.  Returns the
+    (:func:`wan_sharding.runtime.workers.atomic_write`), so it is never seen half-written.  Returns the
     path written.
     """
     return atomic_write(path, build_system_descriptor(arch, num_chips, **kw))

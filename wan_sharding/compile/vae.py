@@ -135,9 +135,9 @@ def vae_bill(collectives: list[dict[str, Any]], limit: int) -> dict[str, Any]:
 def compile_vae(requests: list[VaeCompileRequest], arch: str = "wormhole_b0", timeout: float = 3600.0,
                 keep_irs: str | None = None) -> list[dict[str, Any]]:
     """Compile ``requests`` in one worker; a report per request (the worker's result plus the bill)."""
-    from ..workers import WorkerError, run_worker
+    from ..runtime.workers import WorkerError, run_worker
     from .bill import collective_table
-    from .. import scratch
+    from ..runtime import scratch
     from .runner import check_plugin, prepare_descriptor, trace_env, worker_env
     from .ttnn_ir import TTNNModule
 
@@ -268,7 +268,7 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
-    from .. import workers
+    from ..runtime import workers
     from ..backends.xla import XlaBackend, enable_spmd
     from ..models import build_vae
     from ..options import torch_dtype
@@ -388,6 +388,6 @@ def _job(params: dict[str, Any]):
 
 
 if __name__ == "__main__":
-    from ..workers import worker_main
+    from ..runtime.workers import worker_main
 
     sys.exit(worker_main(_job))

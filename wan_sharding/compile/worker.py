@@ -1,10 +1,10 @@
 """Compile worker: ``python -m wan_sharding.compile.worker``, started by
 :func:`wan_sharding.compile.runner.compile_many` through the package's one process runner
-(:func:`wan_sharding.workers.run_worker`).
+(:func:`wan_sharding.runtime.workers.run_worker`).
 
 Its parameters (JSON on stdin) are ``{"requests": [{"index": i, ...CompileRequest fields}]}``.
 It compiles each request in this process (:func:`wan_sharding.compile.lowering.compile_in_process`)
-and sends one ``RESULT`` line per request (:func:`wan_sharding.workers.emit`) as soon as that
+and sends one ``RESULT`` line per request (:func:`wan_sharding.runtime.workers.emit`) as soon as that
 request is done, so the results before a compiler crash survive it. Around each request it prints
 begin/end marks into its log, so the caller can cut out what the compiler printed for it.
 
@@ -19,7 +19,7 @@ import threading
 import traceback
 from typing import Any
 
-from .. import workers
+from ..runtime import workers
 from .runner import BEGIN_MARK, END_MARK
 
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import workers
+from ..runtime import workers
 from .request import CompileError, CompileRequest
 
 GSPMD_FILE = "stablehlo_gspmd.mlir"

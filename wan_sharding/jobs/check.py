@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..options import DEFAULT_PADDING
-from ..workers import WorkerError, run_worker, worker_main
+from ..runtime.workers import WorkerError, run_worker, worker_main
 from .launch import plan_devices, prepare_worker, stall_seconds, worker_env
 from .pcc import compare, grade, save_pair
 from .text_encoder import ENCODER_CASE_PREFIX, EncoderCase

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from ..mesh import TILE, mesh_from_preset
 from ..models import VARIANTS
 from ..options import PADDING_NAMES
-from ..workers import WorkerError
+from ..runtime.workers import WorkerError
 from .check import Case, run_in_subprocess
 from .pcc import MAX_ABS_BOUNDS
 

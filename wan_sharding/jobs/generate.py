@@ -24,7 +24,7 @@ from typing import Any
 from ..mesh import mesh_from_preset
 from ..options import DEFAULT_PADDING, torch_dtype
 from ..plan import ShardingPlan
-from ..workers import WorkerError, WorkerRun, atomic_write, emit, run_worker, worker_main
+from ..runtime.workers import WorkerError, WorkerRun, atomic_write, emit, run_worker, worker_main
 from .launch import (mesh_arg, num_devices, plan_devices, plan_mesh_arg, prepare_worker, quiet_progress, stall_seconds,
                      worker_env)
 from .pcc import compare, grade

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Iterable, Mapping
 
 from ..mesh import mesh_from_preset
-from ..workers import with_package_path
+from ..runtime.workers import with_package_path
 
 UNSHARDED = "unsharded"  # the one-device baseline a profile compares against
 
@@ -75,7 +75,7 @@ def quiet_progress(pipe: Any) -> Any:
     log, a bar is a line of carriage returns). diffusers' pipelines pass ``disable`` to tqdm
     themselves, so the runner's ``TQDM_DISABLE`` does not reach them: this is the pipeline's own
     per-instance setting."""
-    from ..noise import is_terminal
+    from ..runtime.noise import is_terminal
 
     if not is_terminal(sys.stderr):
         pipe.set_progress_bar_config(disable=True)
@@ -86,7 +86,7 @@ def stall_seconds(backend: str) -> float | None:
     """How long a worker of ``backend`` may go without CPU progress before it counts as hung: the
     watchdog is for the jaxlib deadlock on CPU workers; a tt worker waits on its chips (compiles,
     device runs) with an idle CPU, so it is never taken for hung (a timeout still applies)."""
-    from ..workers import STALL_SECONDS
+    from ..runtime.workers import STALL_SECONDS
 
     return None if backend == "tt" else STALL_SECONDS
 

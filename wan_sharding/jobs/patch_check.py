@@ -1,6 +1,6 @@
 """Worker: the patched, sharded tiny DiT against the vanilla unsharded one, in a process of its own.
 
-``python -m wan_sharding.jobs.patch_check`` (the :mod:`wan_sharding.workers` protocol: parameters as
+``python -m wan_sharding.jobs.patch_check`` (the :mod:`wan_sharding.runtime.workers` protocol: parameters as
 JSON on stdin, one ``RESULT`` line per case). One backend and one mesh per process, as for
 ``wan_sharding.jobs.check``: torch-xla and JAX must not share a process, and a mesh needs its
 device count. :func:`run_in_subprocess` is the parent side.
@@ -87,7 +87,7 @@ def run_in_subprocess(backend: str, mesh: str, patches: Sequence[str], cases: Se
     one result dict per case."""
     from .launch import stall_seconds, worker_env
     from ..mesh import mesh_from_preset
-    from ..workers import WorkerError, run_worker
+    from ..runtime.workers import WorkerError, run_worker
 
     params = {"backend": backend, "mesh": mesh, "patches": list(patches), "cases": list(cases)}
     run = run_worker("wan_sharding.jobs.patch_check", params, worker_env(backend, mesh_from_preset(mesh).num_devices),
@@ -98,6 +98,6 @@ def run_in_subprocess(backend: str, mesh: str, patches: Sequence[str], cases: Se
 
 
 if __name__ == "__main__":
-    from ..workers import worker_main
+    from ..runtime.workers import worker_main
 
     sys.exit(worker_main(_job))

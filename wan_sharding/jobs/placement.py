@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..workers import WorkerError, run_worker, worker_main
+from ..runtime.workers import WorkerError, run_worker, worker_main
 from .launch import plan_devices, stall_seconds, worker_env
 
 
@@ -36,7 +36,7 @@ def _verify(p: dict[str, Any]) -> list[dict[str, Any]]:
     from ..plan import ShardingPlan
     from ..planner.weights import predicted_weight_bytes
     from ..planner.workload import BF16, EXPERTS
-    from ..specs import shard_dit_specs
+    from ..dit.specs import shard_dit_specs
     from .launch import prepare_worker
 
     prepare_worker("jax")

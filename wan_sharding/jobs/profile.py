@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from ..workers import WorkerRun, run_worker, worker_main
+from ..runtime.workers import WorkerRun, run_worker, worker_main
 from .launch import (UNSHARDED, mesh_arg, num_devices, plan_devices, plan_mesh_arg, prepare_worker, stall_seconds,
                      worker_env)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models import PROMPT_TOKENS
-from ..workers import WorkerError, run_worker, worker_main
+from ..runtime.workers import WorkerError, run_worker, worker_main
 from .launch import prepare_worker, stall_seconds, worker_env
 from .pcc import compare, save_pair
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping
 
-from ..workers import WorkerError, run_worker, worker_main
+from ..runtime.workers import WorkerError, run_worker, worker_main
 from .launch import prepare_worker, stall_seconds, worker_env
 from .pcc import compare, grade
 

@@ -11,7 +11,7 @@ Why it matters on Tenstorrent: the conv lowers to ``ttnn.conv3d``, whose channel
 compiler permutes back to channels-first before the model's ``flatten(2).transpose(1, 2)``
 (~33 ms at 480p, tt-xla's ``monkey_patch.py`` notes), and its 5-D -> 3-D reshape is where the
 partitioner pushes the token split unless the SP hooks anchor it replicated first
-(``wan_sharding.activation``). Here the Linear produces ``(B, F', H', W', D)`` channels-last; the
+(``wan_sharding.dit.activation``). Here the Linear produces ``(B, F', H', W', D)`` channels-last; the
 module returns it as the ``(B, D, F', H', W')`` view the model expects, and the model's
 ``flatten(2).transpose(1, 2)`` undoes that permute: one reshape from channels-last to ``(B, L, D)``.
 

@@ -13,7 +13,7 @@ rotary, SDPA, output projection), with three switches the patches set on one mod
   embedding, it reads its own entry instead of projecting.
 
 It also provides ``attend(attn, hidden_states, rotary_emb, keep)``: self-attention with K / V cut to
-the first ``keep`` tokens before SDPA, which ``wan_sharding.attention.SliceKV`` (the ``slice``
+the first ``keep`` tokens before SDPA, which ``wan_sharding.dit.attention.SliceKV`` (the ``slice``
 padding mode) calls instead of its own restatement of the stock processor when the processor it
 wraps has one. The ``mask`` mode needs nothing: it passes its key mask as ``attention_mask``.
 
@@ -54,7 +54,7 @@ def half_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    from ..attention import apply_rotary
+    from ..dit.attention import apply_rotary
 
     return apply_rotary(x, cos, sin)
 
@@ -105,7 +105,7 @@ class PatchedAttnProcessor:
             return "diffusers' own fuse_projections() is applied; call unfuse_projections() first"
         if type(proc) is WanAttnProcessor or isinstance(proc, PatchedAttnProcessor):
             return None
-        from ..attention import PaddedAttention
+        from ..dit.attention import PaddedAttention
 
         if isinstance(proc, PaddedAttention):
             return ("it carries the sequence-parallel padding processor; remove the SP handle, apply the "

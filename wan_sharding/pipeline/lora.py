@@ -18,7 +18,8 @@ import torch
 
 from ..lora.files import check_adapter_state
 from ..lora_layers import LoraError, check_layers, lora_parameters
-from ..specs import LoraShardingError, ShardingError, shard_dit_specs
+from ..dit.specs import shard_dit_specs
+from ..specs import LoraShardingError, ShardingError
 
 
 class LoraStandIn:

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from ..backends import Backend
 from ..compose import check_dit, resolve, shard_dit
+from ..dit.specs import check_wan_model
 from ..hooks import has_sp
 from ..lora.fuse import fuse_lora_layers
-from ..specs import ShardingError, check_wan_model
+from ..specs import ShardingError
 from .handle import PipelineHandle, ShardedExpert, register_handle, sharded_handle
 from .stacks import diffusers_without_torch_xla, warn_if_torch_xla_in_jax_process
 from .guidance import GuidancePairs

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from diffusers import ModelMixin
 
-from ..activation import SPHandle
+from ..dit.activation import SPHandle
 from ..backends import Backend
 from ..mesh import MeshSpec
 from ..patches.prompt_kv import prompt_inputs

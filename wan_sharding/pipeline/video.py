@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..workers import atomic_path
+from ..runtime.workers import atomic_path
 
 VIDEO_FORMATS = ("mp4", "gif")
 MP4_THREADS = 4  # fixed: x264's bytes depend on it (4 costs nothing on fewer cores, it only bounds the speed-up)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .. import scratch
+from ..runtime import scratch
 from ..compile.cfg import ONE_PROGRAM, SEQUENTIAL_FORWARDS_PER_STEP, cfg_compile
 from ..mesh import PHYSICAL_AXIS_NAMES, MeshError, parse_mesh_shape
 from ..systems import BindingError, HostCuts, check_binding_grid, host_cuts, rank_binding, tt_mlir_rejects

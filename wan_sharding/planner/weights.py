@@ -28,7 +28,7 @@ def predicted_weight_bytes(dit: Any, plan: ShardingPlan, dtype_bytes: int | None
     """What the planner counts for one expert's weights per chip under ``plan``: the specs'
     ``bytes_per_device`` (``dtype_bytes`` overrides the parameters' element size). Raises
     ``ShardingError`` (a ``ValueError``) when the specs refuse the plan."""
-    from ..specs import shard_dit_specs
+    from ..dit.specs import shard_dit_specs
 
     return shard_dit_specs(dit, plan).bytes_per_device(dtype_bytes)
 

@@ -20,7 +20,7 @@ import httpx
 
 from ..jobs.conditioning import check_image
 from ..jobs.requests import UsageError
-from ..workers import atomic_path
+from ..runtime.workers import atomic_path
 from .store import FINISHED
 
 ImageSource = str | os.PathLike[str] | bytes

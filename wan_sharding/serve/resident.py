@@ -3,7 +3,7 @@
 A :class:`Replica` starts its worker process, waits for its warm-up, takes queued jobs from the
 :class:`~wan_sharding.serve.supervisor.Supervisor` one at a time, follows their progress, and replaces
 the worker when it dies, hangs (no step finished and no CPU time used by its process tree for
-``stall_s`` seconds: the rule of the one-shot runner's watchdog, ``wan_sharding.workers``) or does not
+``stall_s`` seconds: the rule of the one-shot runner's watchdog, ``wan_sharding.runtime.workers``) or does not
 stop within ``CANCEL_GRACE_S`` of a cancel or of the job timeout.
 """
 
@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
-from ..processes import tree_cpu_ticks
-from ..workers import RESULT_PREFIX, start_resident_worker, stop_worker
+from ..runtime.processes import tree_cpu_ticks
+from ..runtime.workers import RESULT_PREFIX, start_resident_worker, stop_worker
 
 __all__ = ["CANCEL_GRACE_S", "HUNG", "MAX_FAILED_STARTS", "Replica", "WorkerSpec"]
 

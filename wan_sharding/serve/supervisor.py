@@ -12,7 +12,7 @@ warmed up again) while the other workers keep serving, when:
 
 - the worker dies (killed, crashed): its stdout closes;
 - the worker stops reporting progress: no step finished and no CPU time used by its process tree
-  for ``stall_s`` seconds (the same rule as the one-shot runner's watchdog, ``wan_sharding.workers``).
+  for ``stall_s`` seconds (the same rule as the one-shot runner's watchdog, ``wan_sharding.runtime.workers``).
 
 A job past ``job_timeout`` seconds is ``failed`` at the limit and its worker is asked to stop it;
 cancelling a running job (``cancelling`` until then) asks the same: a SIGUSR1, on which the worker

@@ -1,6 +1,6 @@
 """The resident model process behind ``wan-sharding serve``: one pipeline, built and sharded once.
 
-Runs as ``python -m wan_sharding.serve.worker`` under :func:`wan_sharding.workers.start_resident_worker`.
+Runs as ``python -m wan_sharding.serve.worker`` under :func:`wan_sharding.runtime.workers.start_resident_worker`.
 The first stdin line is the configuration (the options of ``serve``); the worker builds (or loads)
 the pipeline, shards every expert once, runs a warm-up generation with the server's default
 request settings (the first call compiles every program those shapes need) and checks its frames
@@ -34,7 +34,7 @@ from typing import Any
 
 from ..options import torch_dtype
 from ..plan import ShardingPlan
-from ..workers import emit, resident_worker_main
+from ..runtime.workers import emit, resident_worker_main
 
 # The tiny pipeline's random weights: those of ``generate --seed 0``, whatever a request's seed.
 WEIGHTS_SEED = 0

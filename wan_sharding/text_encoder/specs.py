@@ -64,7 +64,7 @@ def shard_text_encoder_specs(encoder: torch.nn.Module, mesh_or_plan: Any) -> Sha
         encoder: a transformers ``UMT5EncoderModel`` (real weights or on the ``meta`` device).
         mesh_or_plan: a preset name (``"2x4"``), a :class:`~wan_sharding.mesh.MeshSpec`, a
             backend's own mesh, or a :class:`~wan_sharding.plan.ShardingPlan`: the same rules as
-            :func:`~wan_sharding.specs.shard_dit_specs` (the TP role's axis carries the split; a
+            :func:`~wan_sharding.dit.specs.shard_dit_specs` (the TP role's axis carries the split; a
             plan's FSDP also splits each large weight over its SP axes).
 
     Returns:

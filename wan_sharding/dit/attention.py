@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .options import DEFAULT_PADDING, PADDING_NAMES  # noqa: F401  (DEFAULT_PADDING re-exported beside the modes)
-from .hooks import ForwardState, RefusesCopy  # noqa: F401  (ForwardState: the processors' shared state)
+from ..options import DEFAULT_PADDING, PADDING_NAMES  # noqa: F401  (DEFAULT_PADDING re-exported beside the modes)
+from ..hooks import ForwardState, RefusesCopy  # noqa: F401  (ForwardState: the processors' shared state)
 
 
 def build_key_mask(valid_len: int, padded_len: int, like: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ one request per stdin line, ``RESULT`` lines back).
 
 Files a job writes go through :func:`atomic_write` (a temporary name, renamed when complete), so an
 interrupted job leaves no half-written file that looks complete. Every worker gets a private
-``TMPDIR`` (:func:`wan_sharding.scratch.worker_tmpdir`), deleted when the worker is stopped, so
+``TMPDIR`` (:func:`wan_sharding.runtime.scratch.worker_tmpdir`), deleted when the worker is stopped, so
 nothing it or the libraries it runs write there outlives it.
 """
 

@@ -1,6 +1,6 @@
 """The process table (Linux ``/proc``): the CPU time of a process and of its whole tree, and
 killing a tree so that no descendant escapes. What the worker runner's watchdog counts and how it
-stops a worker (:mod:`wan_sharding.workers`, and the server's resident workers)."""
+stops a worker (:mod:`wan_sharding.runtime.workers`, and the server's resident workers)."""
 
 from __future__ import annotations
 

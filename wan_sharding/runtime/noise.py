@@ -1,6 +1,6 @@
 """Third-party output known to be harmless, dropped in worker processes by message and module.
 
-A worker (:func:`wan_sharding.workers.worker_main`) calls :func:`quiet_worker` first. Each entry of
+A worker (:func:`wan_sharding.runtime.workers.worker_main`) calls :func:`quiet_worker` first. Each entry of
 :data:`HARMLESS` names the logger (or warning category), the module that emits it (a file on the
 call stack when it is made) and the start of its message, and says why it is harmless; a record
 or warning is dropped only when all three match, so nothing else from that library, and no other

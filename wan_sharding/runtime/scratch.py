@@ -11,9 +11,9 @@ interrupted, and that includes what third-party code in its workers writes there
   ~400 MB tt-metal runtime into ``$TMPDIR`` at every load and copies the system descriptor to a
   fixed name under it, so a private one also keeps two plugin processes from breaking each other
   (``docs/tt-mlir-notes.md``). :func:`remove` deletes it once the worker has stopped
-  (:mod:`wan_sharding.workers` does, for every worker, also after a kill);
+  (:mod:`wan_sharding.runtime.workers` does, for every worker, also after a kill);
 - the root goes when the process exits (``atexit``; Ctrl-C and SIGTERM unwind to it through
-  :func:`wan_sharding.workers.install_signal_handlers`). A process killed outright (SIGKILL) cannot
+  :func:`wan_sharding.runtime.workers.install_signal_handlers`). A process killed outright (SIGKILL) cannot
   clean up: the next process that makes a root removes the roots of processes that are gone
   (:func:`sweep`), with the temp folders its libraries made that it had adopted
   (:func:`adopt_library_temp_dirs`).

@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from .attention import PADDING_MODES, build_key_mask
-from .backends import Backend, get_backend
-from .hooks import ForwardState, Hook, forget_sp, has_sp, record_sp
-from .mesh import MeshSpec, as_mesh_spec, padded_length
-from .options import DEFAULT_PADDING
-from .plan import SELF_ATTENTION, WAN_SP_POINTS, ShardingPlan, SPGather, SPSplit
-from .specs import ShardingError, pattern_regex, check_wan_model
+from ..backends import Backend, get_backend
+from ..hooks import ForwardState, Hook, forget_sp, has_sp, record_sp
+from ..mesh import MeshSpec, as_mesh_spec, padded_length
+from ..options import DEFAULT_PADDING
+from ..plan import SELF_ATTENTION, WAN_SP_POINTS, ShardingPlan, SPGather, SPSplit
+from ..specs import ShardingError, pattern_regex
+from .specs import check_wan_model
 
 def _pad_dim(x: torch.Tensor, dim: int, to: int) -> torch.Tensor:
     extra = to - x.shape[dim]
