@@ -47,6 +47,7 @@ def _validate_generate(args: argparse.Namespace) -> None:
 
 def _validate_profile(args: argparse.Namespace) -> None:
     check_profile(args)  # before apply_plan: it refuses --plan with --mesh unsharded
+    validate_lora(args)
     apply_plan(args, binding_mesh(args, "2x4"))
     check_launch(args, [args.backend])
 
@@ -141,6 +142,7 @@ def add_subcommands(sub: Any) -> None:
     add_padding(p, None)
     add_patches(p)
     add_cache(p)
+    add_lora(p)
     p.add_argument("--resolution", default="small", choices=sorted(PROFILE_LATENTS),
                    help="latent preset: tiny 3x10x14 (105 tokens), small 5x30x52 (1950 tokens)")
     p.add_argument("--latent", help="latent shape F,H,W (overrides --resolution)")

@@ -63,3 +63,30 @@ def load_loras(pipe: Any, requests: Sequence[LoraRequest | str]) -> list[str]:
     if names:
         pipe.set_adapters(names, [r.scale for r, _ in checked])
     return names
+
+
+def load_into_dit(dit: Any, requests: Sequence[LoraRequest | str], fuse: bool = False) -> list[str]:
+    """The requests for the high-noise expert (``transformer`` or ``both``) loaded into a bare DiT
+    (what ``profile`` times), each converted as diffusers converts it and checked first, then made
+    active with their scales; with ``fuse`` merged into its base weights
+    (:func:`~wan_sharding.lora.fuse.fuse_lora_layers`, kept until the process ends)."""
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+
+    from .fuse import fuse_lora_layers
+
+    names, scales = [], []
+    for r in requests:
+        r = parse_lora_arg(r) if isinstance(r, str) else r
+        if r.expert == "transformer_2":
+            continue
+        converted = WanPipeline.lora_state_dict(dict(read_lora_file(r.path)))
+        converted = converted[0] if isinstance(converted, tuple) else converted
+        check_adapter_state(dit, converted)
+        dit.load_lora_adapter(converted, adapter_name=r.name)
+        names.append(r.name)
+        scales.append(r.scale)
+    if names:
+        dit.set_adapters(names, scales)
+        if fuse:
+            fuse_lora_layers(dit)
+    return names
