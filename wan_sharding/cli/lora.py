@@ -43,7 +43,7 @@ def validate_lora(args: argparse.Namespace) -> None:
     """Every ``--lora`` parsed, read and checked against the expert it goes into (the variant's
     tiny expert, or the checkpoint's); the parsed requests replace the strings in ``args.lora``
     (as JSON-ready dicts for the worker)."""
-    from ..lora.files import check_adapter_state, parse_lora_arg, read_lora_file
+    from ..lora.files import check_adapter_state, converted_state, parse_lora_arg
     from ..lora_layers import LoraError
 
     if not getattr(args, "lora", None):
@@ -55,8 +55,6 @@ def validate_lora(args: argparse.Namespace) -> None:
         if rewriting:
             raise UsageError(f"--patches {rewriting[0]} rewrites Linear layers that --lora adapters wrap; with --lora "
                              f"use only the patches {', '.join(PATCHES_WITH_LORA)}")
-    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
-
     dit = None
     requests, names = [], set()
     for text in args.lora:
@@ -67,13 +65,7 @@ def validate_lora(args: argparse.Namespace) -> None:
             if r.name in names:
                 raise LoraError(f"two --lora adapters are named {r.name!r} (from their files' names); rename one file")
             names.add(r.name)
-            state = read_lora_file(r.path)
-            try:
-                converted = WanPipeline.lora_state_dict(dict(state))
-            except (ValueError, KeyError, RuntimeError) as e:
-                raise LoraError(f"LoRA file {r.path!r} is in a key format diffusers cannot convert for Wan "
-                                f"({str(e).splitlines()[0][:120]}); pass a diffusers / PEFT or Wan-format adapter") from None
-            converted = converted[0] if isinstance(converted, tuple) else converted
+            converted = converted_state(r.path)
             dit = dit if dit is not None else _meta_expert(args.variant, getattr(args, "model", None))
             check_adapter_state(dit, converted)
         except LoraError as e:

@@ -85,6 +85,22 @@ def read_lora_file(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def converted_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """A LoRA file read (:func:`read_lora_file`) and converted as the Wan pipelines' own
+    ``load_lora_weights`` converts it (``WanPipeline.lora_state_dict``: Wan's original keys, ``diff_b``
+    biases, other trainers' formats) into diffusers' keys; :class:`LoraError` for a format it cannot
+    convert."""
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+
+    state = read_lora_file(path)
+    try:
+        converted = WanPipeline.lora_state_dict(dict(state))
+    except (ValueError, KeyError, RuntimeError) as e:  # diffusers' converters on keys they do not know
+        raise LoraError(f"LoRA file {str(path)!r} is in a key format diffusers cannot convert for Wan "
+                        f"({str(e).splitlines()[0][:120]}); pass a diffusers / PEFT or Wan-format adapter") from None
+    return converted[0] if isinstance(converted, tuple) else converted
+
+
 def _plan_style(path: str) -> str | None:
     for pattern, style in WAN_TP_TABLE.items():
         if pattern_regex(pattern).match(path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..lora_layers import LoraError
-from .files import LoraRequest, check_adapter_state, parse_lora_arg, read_lora_file
+from .files import LoraRequest, check_adapter_state, converted_state, parse_lora_arg
 
 
 def _expert(pipe: Any, name: str) -> Any:
@@ -36,13 +36,7 @@ def check_loras(pipe: Any, requests: Sequence[LoraRequest | str]) -> list[tuple[
         if r.name in names:
             raise LoraError(f"two adapters are named {r.name!r} (from their files' names); rename one file")
         names.add(r.name)
-        state = read_lora_file(r.path)
-        try:
-            converted = pipe.lora_state_dict(dict(state))
-        except (ValueError, KeyError, RuntimeError) as e:  # diffusers' converters on keys they do not know
-            raise LoraError(f"LoRA file {r.path!r} is in a key format diffusers cannot convert for Wan "
-                            f"({str(e).splitlines()[0][:120]}); pass a diffusers / PEFT or Wan-format adapter") from None
-        converted = converted[0] if isinstance(converted, tuple) else converted
+        converted = converted_state(r.path)
         for name in expert_names(r):
             try:
                 check_adapter_state(_expert(pipe, name), converted)
@@ -70,8 +64,6 @@ def load_into_dit(dit: Any, requests: Sequence[LoraRequest | str], fuse: bool = 
     (what ``profile`` times), each converted as diffusers converts it and checked first, then made
     active with their scales; with ``fuse`` merged into its base weights
     (:func:`~wan_sharding.lora.fuse.fuse_lora_layers`, kept until the process ends)."""
-    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
-
     from .fuse import fuse_lora_layers
 
     names, scales = [], []
@@ -79,8 +71,7 @@ def load_into_dit(dit: Any, requests: Sequence[LoraRequest | str], fuse: bool = 
         r = parse_lora_arg(r) if isinstance(r, str) else r
         if r.expert == "transformer_2":
             continue
-        converted = WanPipeline.lora_state_dict(dict(read_lora_file(r.path)))
-        converted = converted[0] if isinstance(converted, tuple) else converted
+        converted = converted_state(r.path)
         check_adapter_state(dit, converted)
         dit.load_lora_adapter(converted, adapter_name=r.name)
         names.append(r.name)
