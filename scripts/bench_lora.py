@@ -45,7 +45,9 @@ def _worker(backend: str, devices: int, code: str) -> list[dict]:
     return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
-def exactness(meshes: list[str]) -> list[dict]:
+def exactness(meshes: list[str], save=lambda rows: None) -> list[dict]:
+    """Every case, one worker per backend and mesh; ``save(rows)`` after each worker (a long run
+    keeps what it finished)."""
     rows = []
     for backend in ("jax", "xla"):
         for mesh in meshes:
@@ -57,6 +59,7 @@ def exactness(meshes: list[str]) -> list[dict]:
             code = f"from wan_sharding.jobs.lora_check import main; main([{json.dumps(json.dumps(cases))}])"
             print(f"exactness: {backend} {mesh} ({len(cases)} cases)", flush=True)
             rows += _worker(backend, mesh_from_preset(mesh).num_devices, code)
+            save(rows)
     return rows
 
 
@@ -128,11 +131,15 @@ def main() -> None:
     old = json.loads(OUT.read_text()) if OUT.exists() else {}
     out = {**old, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "host": platform.node(),
            "date": datetime.date.today().isoformat()}
+    def save(part: str, rows: list[dict]) -> None:  # under a temporary name, then renamed: always a whole file
+        out[part] = rows
+        tmp = OUT.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(out, indent=1) + "\n")
+        os.replace(tmp, OUT)
+
     for part in args.only:
-        out[part] = exactness(args.meshes) if part == "exactness" else globals()[part]()
-    tmp = OUT.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp, OUT)
+        save(part, exactness(args.meshes, lambda rows: save("exactness", rows)) if part == "exactness"
+             else globals()[part]())
     print(f"wrote {OUT.relative_to(ROOT)}")
 
 
