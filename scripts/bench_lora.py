@@ -49,8 +49,8 @@ def exactness(meshes: list[str], save=lambda rows: None) -> list[dict]:
     """Every case, one worker per backend and mesh; ``save(rows)`` after each worker (a long run
     keeps what it finished)."""
     rows = []
-    for backend in ("jax", "xla"):
-        for mesh in meshes:
+    for mesh in meshes:
+        for backend in ("jax", "xla"):
             cases = [{"variant": v, "backend": backend, "mesh": mesh} for v in VARIANTS]
             if mesh == "2x4":
                 cases += [{"variant": "t2v-a14b", "backend": backend, "mesh": mesh, "cfg": True},
