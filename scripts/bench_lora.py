@@ -76,27 +76,18 @@ def bill() -> list[dict]:
 
 def memory(ranks=(32, 64, 128), meshes=("2x4", "8x4")) -> list[dict]:
     """Bytes per chip of the base weights and of a rank-R adapter on every Linear a Wan LoRA targets
-    (blocks, condition embedder, proj_out), full-size T2V-A14B expert on the meta device, bf16."""
-    import torch
-    from peft import LoraConfig
+    (blocks, condition embedder, proj_out), full-size T2V-A14B expert on the meta device, bf16: what
+    the planner counts (``plan --lora-rank R``)."""
+    from wan_sharding.plan import ShardingPlan
+    from wan_sharding.planner.weights import adapter_bytes_per_expert, weight_bytes_per_expert
 
-    from wan_sharding.lora.tiny import BLOCK_TARGETS, MODEL_TARGETS
-    from wan_sharding.models import build_dit
-    from wan_sharding.dit.specs import shard_dit_specs
-
-    targets = sorted({p.split(".")[-1] if not p[-1].isdigit() else ".".join(p.split(".")[-2:])
-                      for p in (*BLOCK_TARGETS, *MODEL_TARGETS)})
     rows = []
     for rank in ranks:
-        dit = build_dit("t2v-a14b", "full", device="meta")
-        base = {m: shard_dit_specs(dit, m).bytes_per_device(2) for m in meshes}
-        with torch.device("meta"):
-            dit.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets), adapter_name="a")
         for m in meshes:
-            with_lora = shard_dit_specs(dit, m).bytes_per_device(2)
-            rows.append({"variant": "t2v-a14b", "rank": rank, "mesh": m, "base_bytes_per_chip": base[m],
-                         "adapter_bytes_per_chip": with_lora - base[m],
-                         "adapter_share": round((with_lora - base[m]) / base[m], 5)})
+            plan = ShardingPlan.from_mesh(mesh_from_preset(m))
+            base, adapter = weight_bytes_per_expert("t2v-a14b", plan), adapter_bytes_per_expert("t2v-a14b", plan, rank)
+            rows.append({"variant": "t2v-a14b", "rank": rank, "mesh": m, "base_bytes_per_chip": int(base),
+                         "adapter_bytes_per_chip": int(adapter), "adapter_share": round(adapter / base, 5)})
     return rows
 
 
