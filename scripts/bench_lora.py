@@ -9,6 +9,9 @@
   after each switch.
 - ``bill``: what a LoRA on every Linear of the blocks adds to one compiled forward per block
   (instructions, all-reduces and their bytes), jax on 2x4 and 8x4, ranks 4 and 16.
+- ``compile``: ``wan-sharding compile --size tiny --mesh 2x4 --blocks 1`` through tt-mlir (compile-only)
+  without an adapter and with ``--lora-rank 4`` and ``16``: runtime and const-eval TTNN ops per block,
+  by cause, the per-block collectives and whether the bill matches the design's.
 - ``memory``: a rank-R adapter's bytes per chip at full size (T2V-A14B expert, bf16), its specs
   beside the base's, against the base's bytes per chip.
 - ``distilled``: forwards per video and the planner's seconds per video, 40 steps with guidance
@@ -34,7 +37,7 @@ from wan_sharding.mesh import mesh_from_preset  # noqa: E402
 
 OUT = ROOT / "results" / "lora.json"
 VARIANTS = ("t2v-a14b", "i2v-a14b", "ti2v-5b")
-PARTS = ("exactness", "bill", "memory", "distilled")
+PARTS = ("exactness", "bill", "compile", "memory", "distilled")
 
 
 def _worker(backend: str, devices: int, code: str) -> list[dict]:
@@ -71,6 +74,25 @@ def bill() -> list[dict]:
                           for r in (4, 16)))
         print(f"bill: {mesh}", flush=True)
         rows += _worker("jax", mesh_from_preset(mesh).num_devices, code)
+    return rows
+
+
+def compile() -> list[dict]:
+    import tempfile
+
+    rows = []
+    for rank in (None, 4, 16):
+        with tempfile.TemporaryDirectory(prefix="bench-lora-") as out:
+            cmd = [sys.executable, "-m", "wan_sharding.cli", "compile", "--size", "tiny", "--mesh", "2x4", "--blocks", "1",
+                   "--out", out, *(["--lora-rank", str(rank)] if rank else [])]
+            print("compile: " + " ".join(cmd[3:]), flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+            if proc.returncode != 0:
+                raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
+            r = json.loads((Path(out) / "report.json").read_text())
+        rows.append({"lora_rank": rank or 0, "mesh": "2x4", "size": "tiny", "frontend": r["frontend"],
+                     **{k: r[k] for k in ("runtime_ops_per_block", "const_eval_ops_per_block",
+                                          "runtime_ops_per_block_by_cause", "per_block_totals", "design", "bill_ok")}})
     return rows
 
 

@@ -62,3 +62,17 @@ def write_adapter(path: str | Path, dit: torch.nn.Module, **kwargs) -> Path:
     path = Path(path)
     save_file({k: v.contiguous() for k, v in adapter_state(dit, **kwargs).items()}, str(path))
     return path
+
+
+def add_wan_lora(dit: torch.nn.Module, rank: int, name: str = "lora") -> torch.nn.Module:
+    """PEFT's LoRA layers of rank ``rank`` (zero-initialised ``lora_B``, as PEFT makes them) on every
+    Linear a Wan LoRA targets (:data:`BLOCK_TARGETS` in each block, :data:`MODEL_TARGETS`), made on
+    the model's own device (a ``meta`` model stays weightless): what ``compile --lora-rank`` and
+    ``plan --lora-rank`` count."""
+    from peft import LoraConfig
+
+    device = next(dit.parameters()).device
+    targets = sorted({*(f"blocks.{i}.{p}" for i in range(dit.config.num_layers) for p in BLOCK_TARGETS), *MODEL_TARGETS})
+    with torch.device(device):
+        dit.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets), adapter_name=name)
+    return dit

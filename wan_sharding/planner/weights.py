@@ -44,16 +44,11 @@ def meta_dit_with_lora(variant: str, rank: int) -> Any:
     """The full-size ``variant`` on the meta device with a rank-``rank`` PEFT LoRA on every Linear a
     Wan LoRA targets (the blocks' attention and FFN, the condition embedder, ``proj_out``)."""
     import torch
-    from peft import LoraConfig
 
-    from ..lora.tiny import BLOCK_TARGETS, MODEL_TARGETS
+    from ..lora.tiny import add_wan_lora
     from ..models import build_dit
 
-    dit = build_dit(variant, "full", device="meta", dtype=torch.bfloat16)
-    targets = sorted({*(f"blocks.{i}.{p}" for i in range(dit.config.num_layers) for p in BLOCK_TARGETS), *MODEL_TARGETS})
-    with torch.device("meta"):
-        dit.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets), adapter_name="lora")
-    return dit
+    return add_wan_lora(build_dit(variant, "full", device="meta", dtype=torch.bfloat16), rank)
 
 
 @lru_cache(maxsize=4096)
