@@ -158,3 +158,15 @@ def test_sharded_lora_pipelines_match_unsharded_through_every_switch(jobs):
         # disabling traces each expert's base forward once, and enabling again finds the first one
         assert c["new weights"] == c["weights"], where
         assert c["disabled"] > c["weights"] and c["enabled"] == c["disabled"] == r["hotswap"]["compiles"], where
+
+
+def test_the_design_bill_counts_the_lora_partial_sums():
+    """A LoRA on the row-parallel Linears adds three rank-sized all-reduces over TP per block
+    (what ``compile --lora-rank 4`` measured through tt-mlir: 7 small, docs/lora.md); none on a
+    mesh without TP."""
+    from wan_sharding.compile.bill import design_bill
+
+    base = design_bill("2x4")
+    assert design_bill("2x4", lora_rank=4) == {**base, ("all_reduce", "small", "tp"): 7}
+    assert design_bill("2x4", lora_rank=64) == {**base, ("all_reduce", "large", "tp"): 6}
+    assert design_bill("1x1", lora_rank=64) == design_bill("1x1") == {}
