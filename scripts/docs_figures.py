@@ -201,6 +201,31 @@ def serve(root: Path) -> str:
 # ------------------------------------------------------------------------------- the VAE and the stages
 
 
+def serve_load(root: Path) -> str:
+    d = _load(root, "serve_load.json")
+    o, f, st = d["outcomes"], d["fault"], d["settings"]
+    during = ", ".join(f"{n}x {k}" for k, n in sorted(f["health_during"].items()))
+    codes = ", ".join(f"{c} {n}" for c, n in sorted(d["failed_codes"].items())) or "none"
+    return "\n".join([
+        f"`scripts/load_serve.py`, {d['date']}, on this project's {d['machine']}: {st['clients']} clients for "
+        f"{st['seconds']:g} s against one server (`serve {st['server']}`), half good requests, a third refused by "
+        f"rule ({', '.join(st['bad_kinds'])}), the rest reads; another SQLite connection held the store's write lock "
+        f"for {f['seconds']:g} s midway.",
+        "",
+        "| requests | served (completed) | refused by rule (401/413/422) | refused, busy (429/503) | accepted, failed | "
+        "server errors (500) | lost |",
+        "|---|---|---|---|---|---|---|",
+        f"| {sum(d['sent'].values())} ({d['sent'].get('good', 0)} good, {d['sent'].get('bad', 0)} bad, "
+        f"{d['sent'].get('read', 0)} reads) | {d['completed']} of {d['accepted']} accepted | "
+        f"{o.get('refused_by_rule', 0)} | {o.get('refused_busy', 0)} | {d['failed']} ({codes}) | "
+        f"{d['server_errors']} | **{d['lost']}** |",
+        "",
+        f"During the fault `/health` answered {during}; {f['seconds_to_health_200']:.2f} s after the lock was "
+        f"released it was {f['health_after']} again. The rollback's error was logged in place of the real one: "
+        f"{str(f['rollback_error_logged']).lower()}.",
+    ])
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -339,6 +364,7 @@ BLOCKS: dict[str, Block] = {
     "fuzz": Block("docs/check.md", fuzz, "results/fuzz.json"),
     "profile": Block("docs/pipelines.md", profile, "results/profile.json"),
     "serve": Block("docs/serving.md", serve, "results/serve.json"),
+    "serve-load": Block("docs/serving.md", serve_load, "results/serve_load.json"),
     "vae-strategies": Block("docs/vae.md", vae_strategies, "results/vae.json"),
     "vae-bills": Block("docs/vae.md", vae_bills, "results/vae.json"),
     "vae-check": Block("docs/vae.md", vae_check, "results/vae.json"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import os
 import signal
 import sqlite3
 import subprocess
@@ -42,6 +43,22 @@ def png(color: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> bytes:
 FIRST, LAST = png((250, 120, 30)), png((20, 90, 240))
 
 
+def _wide_png(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` with next to no pixel data: its size is read
+    from the header, and refused, before a decoder would inflate it."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+WIDE = _wide_png(6000, 6000)
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -57,8 +74,24 @@ def store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(store):
-    yield from serving(store, *I2V, api_key=None, size=FIVE)
+def gs_called(tmp_path_factory) -> Path:
+    """Where a stand-in ``gs`` (first on the server's PATH) writes its arguments if PIL ever runs
+    Ghostscript (it does for EPS files it is allowed to open)."""
+    bin_dir = tmp_path_factory.mktemp("gs-bin")
+    called = bin_dir / "called"
+    (bin_dir / "gs").write_text(f"#!/bin/sh\necho \"$@\" >> {called}\nexit 1\n")
+    (bin_dir / "gs").chmod(0o755)
+    return called
+
+
+@pytest.fixture(scope="module")
+def server(store, gs_called):
+    path = os.environ["PATH"]
+    os.environ["PATH"] = f"{gs_called.parent}{os.pathsep}{path}"  # the server process inherits it
+    try:
+        yield from serving(store, *I2V, api_key=None, size=FIVE)
+    finally:
+        os.environ["PATH"] = path
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +155,12 @@ def _cases() -> list:
         (f"{G}/i2v", i2v_body((FIRST, 0), (LAST, 8)), "frame_pos 8: i2v-a14b conditions only on frame 0"),
         (f"{G}/i2v", {**i2v_body(), "image_prompts": [{"image": "not base64!", "frame_pos": 0}]},
          "image_prompts[0].image: not base64"),
-        (f"{G}/i2v", i2v_body((b"hello", 0)), "image_prompts[0].image: not an image file PIL can read"),
-        (f"{G}/i2v", i2v_body((broken, 0)), "image_prompts[0].image: does not decode as an image"),
+        (f"{G}/i2v", i2v_body((b"hello", 0)), "image_prompts[0].image: not a PNG, JPEG or WebP file (by its first "
+                                              "bytes); send one of those"),
+        (f"{G}/i2v", i2v_body((broken, 0)), "image_prompts[0].image: does not decode as a PNG image"),
+        (f"{G}/i2v", i2v_body((FIRST, 0), (LAST, 4), (FIRST, 4)), "image_prompts: 3 images is over the 2 this server "
+                                                                  "takes (--max-images)"),
+        (f"{G}/i2v", i2v_body((WIDE, 0)), "image_prompts[0].image: 6000x6000 is over 33,554,432 pixels"),
         (f"{G}/i2v", i2v_body((huge, 0)), "is over the 10,485,760-byte image limit"),
     ]
     cases = [pytest.param(route, body, None, 422, line, id=f"json-{i}") for i, (route, body, line) in
@@ -135,7 +172,7 @@ def _cases() -> list:
         pytest.param(f"{G}/i2v/upload", None, ("a.png", huge, "image/png"), 413,
                      "image: over the 10,485,760-byte image limit", id="upload-size"),
         pytest.param(f"{G}/i2v/upload", None, ("a.png", broken, "image/png"), 422,
-                     "image: does not decode as an image", id="upload-broken"),
+                     "image: does not decode as a PNG image", id="upload-broken"),
         pytest.param(f"{G}/i2v/upload", {**form, "frame_pos": "2"}, ("a.png", FIRST, "image/png"), 422,
                      "frame_pos 2: i2v-a14b conditions only on frame 0", id="upload-frame"),
         pytest.param(f"{G}/i2v/upload", {**form, "seed": "seven"}, ("a.png", FIRST, "image/png"), 422,
@@ -158,6 +195,33 @@ def test_bad_i2v_requests_get_one_line_4xx_and_nothing_is_queued(server, first_o
     assert server.http.get("/v1/videos/jobs").json() == before
 
 
+def _other_formats() -> dict[str, bytes]:
+    """A small image in each format PIL reads but the API does not take (made here by PIL)."""
+    from PIL import Image
+
+    im = Image.new("RGB", (16, 16), (200, 30, 30))
+    out = {}
+    for fmt in ("BMP", "TIFF", "GIF", "ICO", "PPM", "TGA", "PCX", "SGI", "EPS"):
+        buf = io.BytesIO()
+        im.save(buf, fmt)
+        out[fmt] = buf.getvalue()
+    return out
+
+
+def test_only_png_jpeg_and_webp_are_decoded_by_content(server, first_only, gs_called):
+    """Every other format PIL reads is refused by its first bytes, on both routes and whatever its
+    label, before a decoder (or Ghostscript, for EPS) is reached; nothing is queued."""
+    before = server.http.get("/v1/videos/jobs").json()
+    for fmt, data in _other_formats().items():
+        r = server.http.post(f"{G}/i2v", json=i2v_body((data, 0)))
+        assert r.status_code == 422 and "not a PNG, JPEG or WebP file (by its first bytes)" in r.json()["error"], fmt
+        r = server.http.post(f"{G}/i2v/upload", files={"image": ("a.png", data, "image/png")},
+                             data={"prompt": "the fox turns its head"})
+        assert r.status_code == 415 and "gs" not in r.json()["error"], (fmt, r.text)
+    assert not gs_called.exists()  # Ghostscript never ran
+    assert server.http.get("/v1/videos/jobs").json() == before
+
+
 def test_submit_refuses_a_file_that_is_not_an_image_before_sending(server, first_only, tmp_path):
     before = server.http.get("/v1/videos/jobs").json()
     bad = tmp_path / "notes.txt"
@@ -166,7 +230,7 @@ def test_submit_refuses_a_file_that_is_not_an_image_before_sending(server, first
                           env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = proc.stderr.strip().splitlines()
-    assert f"--image {bad}: not an image file PIL can read; send a PNG, JPEG or WebP file" in line
+    assert f"--image {bad}: not a PNG, JPEG or WebP file (by its first bytes); send one of those" in line
     assert server.http.get("/v1/videos/jobs").json() == before and not (tmp_path / "o").exists()
 
 

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..jobs.requests import check_video_format
+from ..jobs.requests import RequestLimits, check_limits, check_video_format
 from ..options import vae_placement
 from . import text_encoder
 from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
@@ -16,6 +16,7 @@ from .pipeline import add_pipeline_source, worker_params
 from .launch import binding_mesh, check_launch
 from .vae import add_vae_placement
 from .validate import (
+    REQUEST_FLAGS,
     UsageError,
     apply_plan,
     check_counts,
@@ -49,8 +50,18 @@ def check_serve(args: argparse.Namespace) -> None:
                  "plan": args.plan.to_dict() if args.plan is not None else None})
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: not a TCP port; use 1-65535 (0: any free port)")
-    output_dir(args.store, "--store")
     args.api_key = api_key_from(args.api_key)
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable() and
+                                         " " not in args.api_key):
+        raise UsageError("--api-key: a key must be printable ASCII without spaces (an HTTP header carries it); pick "
+                         "another key")
+    from ..serve.server import request_limits
+
+    check_limits({"num_inference_steps": args.steps, "num_frames": args.frames, "height": args.height,
+                  "width": args.width}, request_limits({**vars(args), "plan": None}), REQUEST_FLAGS)
+    if args.keep_days < 0 or args.keep_jobs < 0:
+        raise UsageError(f"--keep-days {args.keep_days:g} --keep-jobs {args.keep_jobs}: must be >= 0 (0: no bound)")
+    output_dir(args.store, "--store")
     if not is_loopback(args.host) and not args.api_key:
         raise UsageError(f"--host {args.host} reaches beyond this machine, so the API needs a key; pass --api-key KEY "
                          f"(or set {API_KEY_ENV}), or keep the default --host 127.0.0.1")
@@ -65,6 +76,10 @@ def _validate_serve(args: argparse.Namespace) -> None:
 
 def _validate_submit(args: argparse.Namespace) -> None:
     server_url(args.server)
+    # the rules any server applies, with the widest defaults (a checkpoint's); the server checks its own
+    check_limits({"prompt": args.prompt, "negative_prompt": args.negative_prompt, "num_inference_steps": args.steps,
+                  "num_frames": args.frames, "height": args.height, "width": args.width, "seed": args.seed,
+                  "guidance_scale": args.guidance_scale}, RequestLimits(frames=121), REQUEST_FLAGS)
     output_dir(args.out, "--out")
     if args.image is not None:
         from ..serve.client import read_image
@@ -149,6 +164,29 @@ def _progress_bar() -> Any:
     return update
 
 
+def add_limits(s: argparse.ArgumentParser) -> None:
+    """serve's bounds on one request (docs/serving.md, "Limits"), on connections and on the store."""
+    g = s.add_argument_group("limits", "what one request may cost (default: sized from the model), connections and "
+                                       "how long finished jobs are kept (docs/serving.md)")
+    for flag, what in (("steps", "denoising steps"), ("frames", "frames"), ("height", "pixels of height"),
+                       ("width", "pixels of width"),
+                       ("frame-pixels", "height x width"), ("prompt-bytes", "UTF-8 bytes of each prompt"),
+                       ("prompt-tokens", "tokens of each prompt"), ("images", "conditioning images"),
+                       ("image-pixels", "pixels of each image")):
+        g.add_argument(f"--max-{flag}", type=positive_int, metavar="N", help=f"the most {what} a request may ask for")
+    g.add_argument("--max-image-mb", type=positive_float, metavar="MB", help="the largest image file (default 10)")
+    g.add_argument("--header-timeout", type=positive_float, metavar="S",
+                   help="seconds a request head may take to arrive (default 10): then 408 and the connection closed")
+    g.add_argument("--body-timeout", type=positive_float, metavar="S",
+                   help="the longest pause while a request body arrives (default 30): then 408")
+    g.add_argument("--max-connections", type=positive_int, metavar="N",
+                   help="open connections (default 256); one more closes the oldest not running a request")
+    g.add_argument("--keep-days", type=float, default=7.0, metavar="D",
+                   help="finished jobs (and their videos) are removed D days after they ended (default 7; 0: kept)")
+    g.add_argument("--keep-jobs", type=int, default=1000, metavar="N",
+                   help="at most the N newest finished jobs are kept (default 1000; 0: no bound)")
+
+
 def add_subcommands(sub: Any) -> None:
     """Add ``serve`` and ``submit``."""
     s = sub.add_parser("serve", help="serve the sharded pipeline over HTTP: one resident worker, a queue, recovery",
@@ -181,6 +219,7 @@ def add_subcommands(sub: Any) -> None:
     s.add_argument("--prompt-cache-mb", type=positive_float, default=None, metavar="MB",
                    help="memory for the worker's prompt embeddings, each prompt encoded once and reused for a repeated "
                         "prompt (default 256: 64 full-size prompts; docs/serving.md)")
+    add_limits(s)
     s.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                    help="split the mesh into N equal sub-meshes, one resident worker each, serving jobs side by side "
                         "(default 1)")

@@ -318,6 +318,15 @@ def apply_plan(args: argparse.Namespace, default_mesh: str | list[str], mesh_fla
 # ---- whole commands (called first thing in the command, before any worker starts) ---------------
 
 
+# the command line's names for the request fields, in the messages of the request rules (jobs/requests.py)
+REQUEST_FLAGS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
+                  "num_frames": "--frames", "height": "--height", "width": "--width", "seed": "--seed",
+                  "guidance_scale": "--guidance-scale"}
+
+
+GENERATE_MAX_STEPS = 10_000
+
+
 def check_generate(args: argparse.Namespace) -> None:
     """``generate``: counts >= 1, a checkpoint that loads, frames/sizes the pipeline takes as they
     are, and an output directory that can be written, without this run's video and summary in it
@@ -326,6 +335,16 @@ def check_generate(args: argparse.Namespace) -> None:
     if args.model is not None:
         model_dir(args.model)
     check_video(args.frames, args.height, args.width, args.variant, args.model)
+    import dataclasses
+
+    from ..jobs.conditioning import default_limits
+    from ..jobs.requests import check_limits
+
+    # the server's rules, but for the steps: a local run's steps cost only its own time (a bound stays)
+    limits = dataclasses.replace(default_limits(args.variant, args.model), steps=GENERATE_MAX_STEPS)
+    check_limits({"prompt": args.prompt, "negative_prompt": args.negative_prompt, "num_inference_steps": args.steps,
+                  "num_frames": args.frames, "height": args.height, "width": args.width, "seed": args.seed,
+                  "guidance_scale": args.guidance_scale}, limits, REQUEST_FLAGS)
     from ..jobs.generate import output_files
     from ..pipeline.tiny import checkpoint_variant
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .requests import UsageError, read_json_file
+from .requests import RequestLimits, UsageError, read_json_file
 
 MAX_IMAGE_BYTES = 10 * 1024 * 1024
 MAX_IMAGE_PIXELS = 1 << 25  # 32 Mi pixels (e.g. 8192x4096): bounds the decoded size (~100 MB RGB)
@@ -105,45 +105,78 @@ def conditioning(variant: str, model: str | None) -> Conditioning:
     return Conditioning(name, takes_image=i2v or expand, needs_image=i2v, last_image=i2v and not expand)
 
 
-def image_from_base64(text: str, field: str) -> bytes:
+# What an image's first bytes are for each format the API takes (the PNG signature, JPEG's SOI
+# marker, WebP's RIFF container); PIL is told these formats only, so no other decoder (nor
+# Ghostscript, which PIL runs for EPS) is ever reached, whatever the client labels the file.
+IMAGE_FORMATS = {"PNG": (b"\x89PNG\r\n\x1a\n",), "JPEG": (b"\xff\xd8\xff",), "WEBP": (b"RIFF",)}
+
+
+def image_format(data: bytes) -> str | None:
+    """``"PNG"``, ``"JPEG"`` or ``"WEBP"`` by the file's first bytes (its content, not a label); None otherwise."""
+    for name, magics in IMAGE_FORMATS.items():
+        if any(data.startswith(m) for m in magics) and (name != "WEBP" or data[8:12] == b"WEBP"):
+            return name
+    return None
+
+
+def default_limits(variant: str, model: str | None) -> RequestLimits:
+    """The limits of a pipeline: ``variant``'s tiny one, or the checkpoint at ``model`` (its
+    ``model_index.json`` says which Wan 2.2 variant it is)."""
+    rules = conditioning(variant, model)
+    images = (1 + rules.last_image) if rules.takes_image else 0
+    frames = 121 if rules.variant == "ti2v-5b" else 81
+    if model is None:
+        return RequestLimits(frames=frames, height=256, width=256, frame_pixels=256 * 256, images=images)
+    return RequestLimits(frames=frames, images=images)
+
+
+def image_from_base64(text: str, field: str, max_bytes: int = MAX_IMAGE_BYTES,
+                      max_pixels: int = MAX_IMAGE_PIXELS) -> bytes:
     """The bytes of a base64-encoded image, checked (:func:`check_image`)."""
-    if len(text) > (MAX_IMAGE_BYTES + 2) // 3 * 4:
-        raise ImageTooLarge(f"{field}: {len(text):,} base64 characters is over the {MAX_IMAGE_BYTES:,}-byte image "
+    if len(text) > (max_bytes + 2) // 3 * 4:
+        raise ImageTooLarge(f"{field}: {len(text):,} base64 characters is over the {max_bytes:,}-byte image "
                             "limit; send a smaller image (the video's size is enough)")
     try:
         data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise UsageError(f"{field}: not base64 ({e}); send the image file's bytes base64-encoded") from None
-    check_image(data, field)
+    except (binascii.Error, ValueError):
+        raise UsageError(f"{field}: not base64; send the image file's bytes base64-encoded") from None
+    check_image(data, field, max_bytes, max_pixels)
     return data
 
 
-def check_image(data: bytes, field: str) -> tuple[int, int]:
-    """``(width, height)`` of an image file's bytes that decode as a whole image within the limits.
+def check_image(data: bytes, field: str, max_bytes: int = MAX_IMAGE_BYTES,
+                max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """``(width, height)`` of a PNG, JPEG or WebP file's bytes that decode as a whole image within
+    the limits. The format is read from the first bytes and the size from the header, both before
+    anything is decoded (PIL's ``open`` reads only the header; ``load`` decodes).
 
     Raises:
-        ImageTooLarge: over :data:`MAX_IMAGE_BYTES`.
-        UsageError: it does not decode, or has more than :data:`MAX_IMAGE_PIXELS`.
+        ImageTooLarge: over ``max_bytes``.
+        UsageError: not PNG, JPEG or WebP by its content, more than ``max_pixels``, or it does not decode.
     """
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ImageTooLarge(f"{field}: {len(data):,} bytes is over the {MAX_IMAGE_BYTES:,}-byte image limit; send a "
+    if len(data) > max_bytes:
+        raise ImageTooLarge(f"{field}: {len(data):,} bytes is over the {max_bytes:,}-byte image limit; send a "
                             "smaller image (the video's size is enough)")
+    fmt = image_format(data)
+    if fmt is None:
+        raise UsageError(f"{field}: not a PNG, JPEG or WebP file (by its first bytes); send one of those")
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with Image.open(io.BytesIO(data), formats=[fmt]) as im:
             w, h = im.size
-            if w * h > MAX_IMAGE_PIXELS:
-                raise UsageError(f"{field}: {w}x{h} is over {MAX_IMAGE_PIXELS:,} pixels; send a smaller image (the "
+            if w * h > max_pixels:
+                raise UsageError(f"{field}: {w}x{h} is over {max_pixels:,} pixels; send a smaller image (the "
                                  "video's size is enough)")
             im.load()  # the whole image: a truncated file fails here, not in the worker
     except UsageError:
         raise
-    except Image.UnidentifiedImageError:
-        raise UsageError(f"{field}: not an image file PIL can read; send a PNG, JPEG or WebP file") from None
-    except Exception as e:  # PIL's errors for a broken image have no common base
-        why = f"{type(e).__name__}: {e}".splitlines()[0]
-        raise UsageError(f"{field}: does not decode as an image ({why}); send a PNG, JPEG or WebP file") from None
+    except Image.DecompressionBombError:  # PIL's own bound (far above ours) refused it while opening
+        raise UsageError(f"{field}: the image is over {max_pixels:,} pixels; send a smaller image (the video's size is "
+                         "enough)") from None
+    except Exception as e:  # PIL's errors for a broken image have no common base; only its kind is shown
+        raise UsageError(f"{field}: does not decode as a {fmt} image ({type(e).__name__}); send a whole PNG, JPEG "
+                         "or WebP file") from None
     if w < 1 or h < 1:
         raise UsageError(f"{field}: the image is {w}x{h}; send one of at least 1x1 pixels")
     return w, h
@@ -153,5 +186,5 @@ def open_image(data: bytes) -> Any:
     """The RGB PIL image of checked image bytes (what the pipeline gets)."""
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as im:
+    with Image.open(io.BytesIO(data), formats=[image_format(data) or "PNG"]) as im:
         return im.convert("RGB")

@@ -13,11 +13,13 @@ rounds them down with only a log warning), and at least 16 (its ``check_inputs``
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PATCH", "UsageError", "check_counts", "check_video", "check_video_format", "positive_int",
-           "read_json_file", "video_factors"]
+__all__ = ["PATCH", "RequestLimits", "UsageError", "check_counts", "check_limits", "check_text", "check_video",
+           "check_video_format", "positive_int", "read_json_file", "video_factors"]
 
 
 class UsageError(ValueError):
@@ -104,3 +106,102 @@ def check_counts(counts: dict[str, Any]) -> None:
                 positive_int(str(value))
             except UsageError as e:
                 raise UsageError(f"{name} {value}: {e}") from None
+
+
+# ---- what one request may cost ------------------------------------------------------------------
+# Every request is bounded before it is stored or run (docs/serving.md, "Limits"): the server's
+# flags override each default. The defaults are sized from the model: Wan 2.2's own largest video
+# (81 frames of 1280x720 for A14B, 121 of 1280x704 for TI2V-5B: the model cards' 5 s at 16 / 24
+# fps), twice its default 40/50 steps, UMT5's 512-token prompt (the pipelines' max_sequence_length:
+# past it a prompt is cut without a word); the tiny pipeline's frame area stays that of 256x256.
+MAX_STEPS = 100
+MAX_PROMPT_TOKENS = 512
+MAX_PROMPT_BYTES = 8192  # 512 tokens of 16 bytes: longer than any prompt the encoder reads
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+MAX_GUIDANCE = 100.0
+TEXT_BODY_BYTES = 64 * 1024  # a request's JSON besides its images: prompts within their limits and the numbers
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The bounds of one video request (``serve --max-*`` overrides each). ``images``: how many
+    conditioning images; ``image_bytes`` / ``image_pixels``: each image's file size and pixels."""
+
+    steps: int = MAX_STEPS
+    frames: int = 81
+    height: int = 1280
+    width: int = 1280
+    frame_pixels: int = 1280 * 720
+    prompt_bytes: int = MAX_PROMPT_BYTES
+    prompt_tokens: int = MAX_PROMPT_TOKENS
+    images: int = 2
+    image_bytes: int = 10 * 1024 * 1024
+    image_pixels: int = 1 << 25
+
+    def body_bytes(self, images: int) -> int:
+        """The most bytes a request body with ``images`` base64 images may take."""
+        return TEXT_BODY_BYTES + images * ((self.image_bytes + 2) // 3 * 4)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_text(value: Any, name: str, limits: RequestLimits, count_tokens: Any = None) -> None:
+    """A prompt the store, the responses and the encoder can all hold: real Unicode text (no lone
+    surrogate, no NUL), within the byte and (with ``count_tokens(text)``) token limits."""
+    if value is None:
+        return
+    bad = next((i for i, c in enumerate(value) if c == "\0" or "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:
+        what = "a NUL character" if value[bad] == "\0" else "a lone UTF-16 surrogate"
+        raise UsageError(f"{name}: {what} at character {bad} is not text; send UTF-8 text")
+    size = len(value.encode("utf-8"))
+    if size > limits.prompt_bytes:
+        raise UsageError(f"{name}: {size:,} bytes is over the {limits.prompt_bytes:,}-byte prompt limit "
+                         f"(--max-prompt-bytes); send a shorter prompt")
+    if count_tokens is not None:
+        tokens = count_tokens(value)
+        if tokens > limits.prompt_tokens:
+            raise UsageError(f"{name}: {tokens} tokens is over the {limits.prompt_tokens}-token prompt limit "
+                             f"(--max-prompt-tokens; the encoder reads no more); send a shorter prompt")
+
+
+def _shown(value: Any) -> str:
+    """A value as a message shows it: at most 40 characters."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_limits(req: dict[str, Any], limits: RequestLimits, names: dict[str, str] | None = None,
+                 count_tokens: Any = None) -> None:
+    """A request (``prompt``, ``negative_prompt``, ``num_inference_steps``, ``num_frames``,
+    ``height``, ``width``, ``seed``, ``guidance_scale``; ``None``: not given) within ``limits``:
+    UsageError naming the field, the limit and the flag that sets it. ``names``: what the
+    messages call the fields (the command line's flags)."""
+    names = names or {}
+    name = lambda key: names.get(key, key)  # noqa: E731
+    for key in ("prompt", "negative_prompt"):
+        check_text(req.get(key), name(key), limits, count_tokens)
+    bounds = {"num_inference_steps": (limits.steps, "--max-steps"), "num_frames": (limits.frames, "--max-frames"),
+              "height": (limits.height, "--max-height"), "width": (limits.width, "--max-width")}
+    for key, (most, flag) in bounds.items():
+        value = req.get(key)
+        if value is not None and not 1 <= value <= most:
+            raise UsageError(f"{name(key)} {_shown(value)}: must be 1 to {most} for this pipeline (serve: {flag}); "
+                             "send a value in that range")
+    h, w = req.get("height"), req.get("width")
+    if h is not None and w is not None and h * w > limits.frame_pixels:
+        raise UsageError(f"{name('height')} x {name('width')} {h}x{w}: over {limits.frame_pixels:,} pixels a frame for "
+                         f"this pipeline (serve: --max-frame-pixels); send a smaller size")
+    seed = req.get("seed")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"{name('seed')} {_shown(seed)}: must be 0 to 2^63-1; send a smaller seed")
+    guidance = req.get("guidance_scale")
+    if guidance is not None:
+        try:
+            ok = math.isfinite(float(guidance)) and 0 <= float(guidance) <= MAX_GUIDANCE
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise UsageError(f"{name('guidance_scale')} {_shown(guidance)}: must be a finite number 0 to "
+                             f"{MAX_GUIDANCE:g}; e.g. 4.0")

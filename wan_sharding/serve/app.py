@@ -14,40 +14,44 @@ the clients tt-inference-server ships for it work unchanged:
 - ``GET /v1/videos/generations/{id}``: the job; ``.../download``: the video (``video/mp4``), 404
   until the job is completed; ``POST .../cancel``: the job (``cancelled``, or ``cancelling`` until
   its step ends), 404 for a job that already ended.
-- ``GET /v1/videos/jobs``: every job in the store, oldest first (a JSON list).
-- ``GET /health``: 200 while a worker is warm, 503 with the reason otherwise, and each worker's
-  state; ``GET /metrics``: Prometheus text.
+- ``GET /v1/videos/jobs``: a page of jobs, oldest first (a JSON list; ``?limit=``, ``?after=``, a
+  ``Link`` to the next page).
+- ``GET /health``: 200 while a worker is warm and the store can be written, 503 with the reason
+  otherwise (``degraded`` for the store), and each worker's state; ``GET /metrics``: Prometheus text.
 
-An error body is ``{"error": <line>, "detail": <line>}`` (``detail``: where FastAPI clients look).
-With an API key every endpoint but ``/health`` needs ``Authorization: Bearer <key>`` (401); without
-one such a header is accepted and ignored (tt-media-server's clients always send one).
+Every request is within :class:`~wan_sharding.jobs.requests.RequestLimits` before anything is
+stored (422 naming the limit). An error body is ``{"error": <line>, "detail": <line>}`` (``detail``:
+where FastAPI clients look), without host paths. The API key and the body's size are checked before
+this app sees a request (:mod:`.guard`).
 """
 
 from __future__ import annotations
 
-import hmac
+import json
 import math
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..jobs.conditioning import (
-    IMAGE_CONTENT_TYPES,
-    MAX_IMAGE_BYTES,
-    Conditioning,
-    ImageTooLarge,
-    check_image,
-    image_from_base64,
-)
-from ..jobs.requests import UsageError, check_counts, check_video
-from .store import FINISHED, STATUSES
+from ..jobs.conditioning import IMAGE_CONTENT_TYPES, Conditioning, ImageTooLarge, check_image, image_format, image_from_base64
+from ..jobs.requests import TEXT_BODY_BYTES, RequestLimits, UsageError, check_counts, check_limits, check_video
+from .store import FINISHED, STATUSES, StoreError, public_message
 from .supervisor import HISTOGRAM_BUCKETS, Supervisor
 
 PREFIX = "/v1/videos"
 _UPLOAD_CHUNK = 64 * 1024
+LIST_LIMIT = 100  # jobs a page of GET /v1/videos/jobs holds unless ?limit= says (at most LIST_MAX)
+LIST_MAX = 1000
+
+
+class SafeJSON(JSONResponse):
+    """JSON as ASCII: any text a job holds (even a lone surrogate, escaped) can be sent."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class GenerationRequest(BaseModel):
@@ -91,7 +95,8 @@ _FIXES = {"extra_forbidden": "remove it (the fields: " + ", ".join(I2VRequest.mo
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message, "detail": message}, status_code=status, headers=headers)
+    message = public_message(message)
+    return SafeJSON({"error": message, "detail": message}, status_code=status, headers=headers)
 
 
 def validation_line(errors: list[dict[str, Any]]) -> str:
@@ -99,12 +104,15 @@ def validation_line(errors: list[dict[str, Any]]) -> str:
     e = errors[0]
     parts = [p for p in e.get("loc", ()) if p != "body"]
     field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "body"
-    return f"{field}: {e.get('msg', 'invalid')}; {_FIXES.get(e.get('type', ''), 'see GET /docs for the fields')}"
+    field = field if len(field) <= 60 else field[:57] + "..."
+    return f"{field}: {e.get('msg', 'invalid')}; {_FIXES.get(e.get('type', ''), 'see docs/serving.md for the fields')}"
 
 
 def resolve_request(body: GenerationRequest, defaults: dict[str, Any], variant: str, model: str | None,
-                    cache: str) -> dict[str, Any]:
-    """The job's full settings (defaults filled in), checked with ``generate``'s rules.
+                    cache: str, limits: RequestLimits, count_tokens: Callable[[str], int] | None = None
+                    ) -> dict[str, Any]:
+    """The job's full settings (defaults filled in), checked with ``generate``'s rules and within
+    ``limits`` (``count_tokens``: the served pipeline's tokenizer, for the prompt's token limit).
 
     Raises:
         UsageError: one line naming the field and the fix.
@@ -116,9 +124,8 @@ def resolve_request(body: GenerationRequest, defaults: dict[str, Any], variant: 
     req["negative_prompt"] = req["negative_prompt"] or ""
     req["seed"] = req["seed"] or 0
     check_counts({k: req[k] for k in ("num_inference_steps", "num_frames", "height", "width")})
+    check_limits(req, limits, count_tokens=count_tokens)
     check_video(req["num_frames"], req["height"], req["width"], variant, model, names=("num_frames", "height", "width"))
-    if not math.isfinite(req["guidance_scale"]):
-        raise UsageError(f"guidance_scale {req['guidance_scale']}: must be a finite number; e.g. 4.0")
     if cache == "mag" and req["num_inference_steps"] != defaults["num_inference_steps"]:
         raise UsageError(f"num_inference_steps {req['num_inference_steps']}: this server's MagCache is calibrated for "
                          f"{defaults['num_inference_steps']} steps; send that (or leave it out)")
@@ -177,32 +184,33 @@ PROMPT_CACHE_METRICS = (
 )
 
 
+def body_limits(limits: RequestLimits) -> Callable[[str], int]:
+    """The most bytes a request body to each path may have (:class:`~.guard.Guard` enforces it):
+    the JSON I2V route its images in base64, the upload route one image, the rest their text."""
+    by_path = {f"{PREFIX}/generations/i2v": limits.body_bytes(limits.images),
+               f"{PREFIX}/generations/i2v/upload": TEXT_BODY_BYTES + limits.image_bytes}
+    return lambda path: by_path.get(path, TEXT_BODY_BYTES)
+
+
 def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model: str | None, cache: str,
-               rules: Conditioning, api_key: str | None) -> FastAPI:
+               rules: Conditioning, limits: RequestLimits) -> FastAPI:
     """The FastAPI application over a started (or starting) :class:`Supervisor`; ``rules``: what
-    the served pipeline does with images."""
-    app = FastAPI(title="wan-sharding serve", version="1")
-
-    def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise _Unauthorized()
-
-    class _Unauthorized(Exception):
-        pass
-
-    @app.exception_handler(_Unauthorized)
-    async def _unauthorized(_request: Request, _exc: Exception) -> JSONResponse:
-        return _error(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
-                      {"WWW-Authenticate": "Bearer"})
+    the served pipeline does with images; ``limits``: what one request may cost. The key and the
+    body's size are checked before it (:class:`~.guard.Guard`); its interactive docs are off and
+    its OpenAPI schema needs the key as every route but ``/health`` does."""
+    app = FastAPI(title="wan-sharding serve", version="1", docs_url=None, redoc_url=None,
+                  default_response_class=SafeJSON)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(422, validation_line(list(exc.errors())))
 
-    auth = [Depends(authorized)]
+    @app.exception_handler(StoreError)
+    async def _store_failed(_request: Request, exc: StoreError) -> JSONResponse:
+        return _error(503, str(exc), {"Retry-After": "5"})
+
+    def resolve(body: GenerationRequest) -> dict[str, Any]:
+        return resolve_request(body, defaults, variant, model, cache, limits, sup.count_tokens())
 
     def job_or_404(job_id: str) -> dict[str, Any] | JSONResponse:
         job = sup.store.get(job_id)
@@ -212,40 +220,46 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
         if not sup.ever_ready:
             return _error(503, f"not accepting jobs yet: {sup.reason}; retry when GET /health is 200",
                           {"Retry-After": "10"})
+        unwritable = sup.store.probe()
+        if unwritable:  # the job could not be kept, or its video not written: refused, not accepted to fail
+            return _error(503, f"not accepting jobs: {unwritable}; retry when GET /health is 200", {"Retry-After": "5"})
         job = sup.submit(req, images)
         if job is None:
             mean = sum(sup.job_seconds) / len(sup.job_seconds) if sup.job_seconds else 10.0
             return _error(429, f"the queue is full ({sup.queue_size} jobs waiting); retry later",
                           {"Retry-After": str(max(1, math.ceil(mean)))})
-        return JSONResponse(job, status_code=202)
+        return SafeJSON(job, status_code=202)
 
     def conditioned(body: GenerationRequest, images: list[tuple[bytes, int]]) -> Any:
         """Queue an image-conditioned job: its frames checked against the pipeline's."""
-        req = resolve_request(body, defaults, variant, model, cache)
+        req = resolve(body)
         rules.image_arguments([pos for _, pos in images], req["num_frames"])
         return queue(req, {pos: data for data, pos in images})
 
-    @app.post(f"{PREFIX}/generations", status_code=202, dependencies=auth)
+    @app.post(f"{PREFIX}/generations", status_code=202)
     def submit(body: GenerationRequest) -> Any:
         try:
             rules.check_text_only()
-            req = resolve_request(body, defaults, variant, model, cache)
+            req = resolve(body)
         except UsageError as e:
             return _error(422, str(e))
         return queue(req, None)
 
-    @app.post(f"{PREFIX}/generations/i2v", status_code=202, dependencies=auth)
+    @app.post(f"{PREFIX}/generations/i2v", status_code=202)
     def submit_i2v(body: I2VRequest) -> Any:
         try:
             if not rules.takes_image:
                 rules.image_arguments([], 1)  # the one-line refusal of this pipeline
-            images = [(image_from_base64(p.image, f"image_prompts[{i}].image"), p.frame_pos)
-                      for i, p in enumerate(body.image_prompts)]
+            if len(body.image_prompts) > limits.images:  # counted before any is decoded
+                raise UsageError(f"image_prompts: {len(body.image_prompts)} images is over the {limits.images} this "
+                                 "server takes (--max-images); send one per frame the pipeline conditions on")
+            images = [(image_from_base64(p.image, f"image_prompts[{i}].image", limits.image_bytes, limits.image_pixels),
+                       p.frame_pos) for i, p in enumerate(body.image_prompts)]
             return conditioned(body, images)
         except UsageError as e:  # an image over the limit too: 422, as tt-media-server's JSON route
             return _error(422, str(e))
 
-    @app.post(f"{PREFIX}/generations/i2v/upload", status_code=202, dependencies=auth)
+    @app.post(f"{PREFIX}/generations/i2v/upload", status_code=202)
     def submit_i2v_upload(prompt: str = Form(...), image: UploadFile = File(...), frame_pos: int = Form(0),
                           num_inference_steps: int | None = Form(None), seed: int | None = Form(None),
                           negative_prompt: str | None = Form(None)) -> Any:
@@ -255,17 +269,19 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
         chunks, size = [], 0
         while chunk := image.file.read(_UPLOAD_CHUNK):
             size += len(chunk)
-            if size > MAX_IMAGE_BYTES:
-                return _error(413, f"image: over the {MAX_IMAGE_BYTES:,}-byte image limit; send a smaller image (the "
-                                   "video's size is enough)")
+            if size > limits.image_bytes:
+                return _error(413, f"image: over the {limits.image_bytes:,}-byte image limit (--max-image-mb); send a "
+                                   "smaller image (the video's size is enough)")
             chunks.append(chunk)
         data = b"".join(chunks)
+        if image_format(data) is None:  # by its content, whatever its label said
+            return _error(415, "image: not a PNG, JPEG or WebP file (by its first bytes); send one of those")
         try:
             if not rules.takes_image:
                 rules.image_arguments([], 1)
             body = GenerationRequest(prompt=prompt, negative_prompt=negative_prompt,
                                      num_inference_steps=num_inference_steps, seed=seed)
-            check_image(data, "image")
+            check_image(data, "image", limits.image_bytes, limits.image_pixels)
             return conditioned(body, [(data, frame_pos)])
         except ValidationError as e:
             return _error(422, validation_line(list(e.errors())))
@@ -274,11 +290,11 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
         except UsageError as e:
             return _error(422, str(e))
 
-    @app.get(f"{PREFIX}/generations/{{job_id}}", dependencies=auth)
+    @app.get(f"{PREFIX}/generations/{{job_id}}")
     def status(job_id: str) -> Any:
         return job_or_404(job_id)
 
-    @app.get(f"{PREFIX}/generations/{{job_id}}/download", dependencies=auth)
+    @app.get(f"{PREFIX}/generations/{{job_id}}/download")
     def download(job_id: str) -> Any:
         job = job_or_404(job_id)
         if isinstance(job, JSONResponse):
@@ -290,7 +306,7 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
         media = "video/mp4" if path.suffix == ".mp4" else "image/gif"
         return FileResponse(path, media_type=media, filename=path.name)
 
-    @app.post(f"{PREFIX}/generations/{{job_id}}/cancel", dependencies=auth)
+    @app.post(f"{PREFIX}/generations/{{job_id}}/cancel")
     def cancel(job_id: str) -> Any:
         job = job_or_404(job_id)
         if isinstance(job, JSONResponse):
@@ -299,20 +315,29 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
             return _error(404, f"job {job_id} is already {job['status']}; there is nothing to cancel")
         return sup.cancel(job_id)
 
-    @app.get(f"{PREFIX}/jobs", dependencies=auth)
-    def jobs() -> Any:
-        return sup.store.list()
+    @app.get(f"{PREFIX}/jobs")
+    def jobs(limit: int = Query(LIST_LIMIT, ge=1, le=LIST_MAX), after: str | None = Query(None, max_length=64)) -> Any:
+        """A page of jobs, oldest first (a JSON list, as tt-media-server's); a full page names the
+        next one in ``Link`` (``?after=<last id>``)."""
+        page = sup.store.list(limit=limit, after=after)
+        headers = {}
+        if len(page) == limit:
+            headers["Link"] = f'<{PREFIX}/jobs?limit={limit}&after={page[-1]["id"]}>; rel="next"'
+        return SafeJSON(page, headers=headers)
 
     @app.get("/health")
     def health() -> Any:
-        ready = sup.state == "ready"
-        body = {"status": "ok" if ready else sup.state, "reason": sup.reason or None, "model": sup.model,
+        state, reason = sup.state, sup.reason
+        degraded = sup.degraded() if state == "ready" else None
+        ready = state == "ready" and degraded is None
+        body = {"status": "ok" if ready else "degraded" if degraded else state,
+                "reason": public_message(degraded or reason) or None, "model": sup.model,
                 "worker_pid": sup.worker_pid, "running": sup.running, "queue_depth": sup.queue_depth(),
                 "queue_capacity": sup.queue_size, "worker_restarts": sup.restarts, "worker": sup.ready_info,
                 "workers": [r.describe() for r in sup.replicas]}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return SafeJSON(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     def metrics() -> Any:
         return PlainTextResponse(metrics_text(sup), media_type="text/plain; version=0.0.4")
 

@@ -127,8 +127,11 @@ class Client:
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"{PREFIX}/generations/{job_id}").json()
 
-    def jobs(self) -> list[dict[str, Any]]:
-        return self._call("GET", f"{PREFIX}/jobs").json()
+    def jobs(self, limit: int | None = None, after: str | None = None) -> list[dict[str, Any]]:
+        """A page of jobs, oldest first (the server's default page size unless ``limit``); ``after``:
+        the last id of the page before."""
+        params = {k: v for k, v in (("limit", limit), ("after", after)) if v is not None}
+        return self._call("GET", f"{PREFIX}/jobs", params=params).json()
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._call("POST", f"{PREFIX}/generations/{job_id}/cancel").json()
@@ -157,8 +160,10 @@ class Client:
         """Write a completed job's video into ``out_dir`` (the server's file name); its path."""
         r = self._call("GET", f"{PREFIX}/generations/{job_id}/download")
         disposition = r.headers.get("content-disposition", "")
-        name = disposition.split("filename=")[-1].strip('"') if "filename=" in disposition else f"{job_id}.mp4"
-        target = Path(out_dir) / Path(name).name
+        name = Path(disposition.split("filename=")[-1].strip('"') if "filename=" in disposition else "").name
+        if name in ("", ".", "..") or name.startswith("."):  # nothing usable (or hidden): the job's own name
+            name = f"{job_id}.gif" if name.endswith(".gif") else f"{job_id}.mp4"
+        target = Path(out_dir) / name
         with atomic_path(target, suffix=".partial" + target.suffix) as tmp:
             tmp.write_bytes(r.content)
         return target

@@ -4,7 +4,8 @@ A video request's prompt (and negative prompt, under guidance) goes through the 
 the first denoising step: 5.7B parameters, about 6 TFLOP for a prompt pair at full size. A server
 sees the same prompts again (the default negative prompt in nearly every request, a prompt tried
 with other seeds or sizes), so the worker keeps each prompt's embedding in a least-recently-used
-cache bounded in bytes (``serve --prompt-cache-mb``; a full-size embedding is 512 x 4096 bf16, 4 MiB)
+cache bounded in bytes, keys and values (``serve --prompt-cache-mb``; a full-size embedding is 512 x 4096 bf16,
+4 MiB; a key is the prompt's 32-byte digest, whatever the prompt's length)
 and hands the pipeline ``prompt_embeds`` / ``negative_prompt_embeds`` from it. The embeddings are
 the pipeline's own (``pipe.encode_prompt``, on the host or on the mesh as the encoder is), so a
 cached request gives the same video as an uncached one. The counts reach ``GET /metrics`` with every
@@ -13,12 +14,15 @@ job the worker reports.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
 __all__ = ["PromptEmbeddings"]
+
+KEY_BYTES = 32  # each entry's key: the prompt's digest, counted in the bound with its embedding
 
 
 class PromptEmbeddings:
@@ -28,7 +32,8 @@ class PromptEmbeddings:
     def __init__(self, encode: Callable[[str, int], torch.Tensor], max_bytes: int):
         self._encode = encode
         self.max_bytes = max_bytes
-        self._kept: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
+        # keyed by the prompt's SHA-256 (32 bytes, whatever its length), so the keys are bounded as the values are
+        self._kept: OrderedDict[tuple[bytes, int], torch.Tensor] = OrderedDict()
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -37,7 +42,7 @@ class PromptEmbeddings:
     def get(self, prompt: str, max_sequence_length: int) -> torch.Tensor:
         """``prompt``'s embedding ``(1, max_sequence_length, d_model)``: the kept one, or encoded now
         (and kept, the least recently used ones dropped to stay within ``max_bytes``)."""
-        key = (prompt, max_sequence_length)
+        key = (hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).digest(), max_sequence_length)
         kept = self._kept.get(key)
         if kept is not None:
             self._kept.move_to_end(key)
@@ -46,11 +51,11 @@ class PromptEmbeddings:
         self.misses += 1
         with torch.no_grad():
             emb = self._encode(prompt, max_sequence_length).detach()
-        size = emb.numel() * emb.element_size()
+        size = emb.numel() * emb.element_size() + KEY_BYTES
         if size <= self.max_bytes:
             while self.bytes + size > self.max_bytes:
                 _, old = self._kept.popitem(last=False)
-                self.bytes -= old.numel() * old.element_size()
+                self.bytes -= old.numel() * old.element_size() + KEY_BYTES
                 self.evictions += 1
             self._kept[key] = emb
             self.bytes += size

@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from ..runtime.processes import tree_cpu_ticks
 from ..runtime.workers import RESULT_PREFIX, start_resident_worker, stop_worker
+from .store import StoreError
 
 __all__ = ["CANCEL_GRACE_S", "HUNG", "MAX_FAILED_STARTS", "Replica", "WorkerSpec"]
 
@@ -105,6 +106,7 @@ class Replica:
         self.completed = 0
         self.ready_info: dict[str, Any] = {}
         self.prompt_cache: dict[str, Any] | None = None  # the worker's prompt embeddings, as it last reported them
+        self.tokenizer: str | None = None  # the pipeline's tokenizer (tokenizers JSON), for the prompt token limit
         self.running: str | None = None
         self.idle = False  # ready and waiting for a job (the dispatch reads it under its lock)
         self._worker: _Worker | None = None
@@ -137,39 +139,57 @@ class Replica:
     # ---- the worker's thread -------------------------------------------------------------------
 
     def _loop(self) -> None:
-        failed_starts = 0  # in a row; a first start is retried only when the worker hung
+        """Serve until the server stops. Nothing ends this thread but that (or the worker given up):
+        an error of the store, or any other, is logged and the loop goes on (what it could not
+        record is retried: :meth:`Supervisor.end_job`)."""
+        failed_starts = [0]  # in a row; a first start is retried only when the worker hung
         while not self.sup.stopping.is_set():
-            if self._worker is None:
-                self.idle = False
-                error = self._start_worker()
-                if error is None:
-                    failed_starts = 0
-                    continue
-                failed_starts += 1
-                if self.sup.stopping.is_set():
+            try:
+                self.sup.retry_pending()
+                if not self._serve_one(failed_starts):
                     return
-                hung = error.endswith(HUNG)  # a start-up deadlock (docs/serving.md): a fresh process runs normally
-                if failed_starts >= MAX_FAILED_STARTS or not (self.ever_ready or hung):
-                    self.broken = f"the worker could not be started: {error}; its log: {self.sup.log.name}"
-                    self.state, self.reason = "broken", self.broken
-                    self.sup.replica_broken(self)
-                    return
-                self._say(f"{self.name} did not start: {error}; starting a fresh one")
-                continue
-            if self._worker.proc.poll() is not None:  # died while idle: replaced before it gets a job
-                self.idle = False
-                how = self._worker.stop()
-                self._worker = None
-                self.restarts += 1
-                self.state, self.reason = "replacing", "the worker is being replaced and warmed up again"
-                self._say(f"{self.name} died while idle ({how}); replacing it")
-                continue
-            self.idle = True
-            job_id = self.sup.take(self)
-            if job_id is None:
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any one failure
+                self.sup.log_error(f"{self.name}: {type(e).__name__}: {e}", e)
                 self.sup.wait(1.0)
-                continue
-            self._run(job_id)
+
+    def _serve_one(self, failed_starts: list[int]) -> bool:
+        """One turn of the loop: start (or replace) the worker, or run one job, or wait; False once
+        this replica is given up or the server stops while it starts."""
+        if self._worker is None:
+            self.idle = False
+            error = self._start_worker()
+            if error is None:
+                failed_starts[0] = 0
+                return True
+            failed_starts[0] += 1
+            if self.sup.stopping.is_set():
+                return False
+            hung = error.endswith(HUNG)  # a start-up deadlock (docs/serving.md): a fresh process runs normally
+            if failed_starts[0] >= MAX_FAILED_STARTS or not (self.ever_ready or hung):
+                self.broken = f"the worker could not be started: {error}; its log: worker.log in the store"
+                self.state, self.reason = "broken", self.broken
+                self.sup.replica_broken(self)
+                return False
+            self._say(f"{self.name} did not start: {error}; starting a fresh one")
+            return True
+        if self._worker.proc.poll() is not None:  # died while idle: replaced before it gets a job
+            self.idle = False
+            how = self._worker.stop()
+            self._worker = None
+            self.restarts += 1
+            self.state, self.reason = "replacing", "the worker is being replaced and warmed up again"
+            self._say(f"{self.name} died while idle ({how}); replacing it")
+            return True
+        self.idle = True
+        try:
+            job_id = self.sup.take(self)
+        except StoreError:  # the job stays queued; taken once the store can be written again
+            job_id = None
+        if job_id is None:
+            self.sup.wait(1.0)
+            return True
+        self._run(job_id)
+        return True
 
     def _start_worker(self) -> str | None:
         """Start a worker and wait for its warm-up; ``None`` when ready, else the error."""
@@ -209,7 +229,8 @@ class Replica:
             if ev.get("event") == "failed_start":
                 return ev["error"]
             if ev.get("event") == "ready":
-                self.ready_info = {k: v for k, v in ev.items() if k != "event"}
+                self.ready_info = {k: v for k, v in ev.items() if k not in ("event", "tokenizer")}
+                self.tokenizer = ev.get("tokenizer") or self.tokenizer
                 self.prompt_cache = ev.get("prompt_cache")
                 return None
         return "the server is stopping"
@@ -219,12 +240,19 @@ class Replica:
         store = self.sup.store
         assert worker is not None
         self.running = job_id
-        job = store.get(job_id)
+        try:
+            job = store.get(job_id)
+            images = {str(pos): base64.b64encode(data).decode() for pos, data in store.images(job_id).items()}
+        except Exception as e:  # noqa: BLE001 - the store could not be read: this job fails, the rest go on
+            self.running = None
+            self.sup.log_error(f"job {job_id}: reading it from the store: {type(e).__name__}: {e}", e)
+            self.sup.end_job(job_id, "failed", ("storage_error", "the job could not be read from the job store; "
+                                                                 "submit it again"))
+            return
         assert job is not None
         started = last_sign = time.monotonic()
         ticks = tree_cpu_ticks(worker.proc.pid)
         cancel_sent: float | None = None
-        images = {str(pos): base64.b64encode(data).decode() for pos, data in store.images(job_id).items()}
         worker.send({"id": job_id, "request": job["request_parameters"], "images": images,
                      "stem": str(store.videos / job_id)})
         stall_s, job_timeout = self.sup.stall_s, self.sup.job_timeout
@@ -257,8 +285,7 @@ class Replica:
                     # (replaced only if it does not stop within CANCEL_GRACE_S).
                     self._timed_out.add(job_id)
                     error = f"ran past --job-timeout {job_timeout:g} s and was stopped"
-                    store.finish(job_id, "failed", ("timeout", error))
-                    self._say(f"job {job_id} failed: {error}")
+                    self.sup.end_job(job_id, "failed", ("timeout", error))
                 if (job_id in self._cancel or job_id in self._timed_out) and cancel_sent is None:
                     cancel_sent = now
                     os.kill(worker.proc.pid, signal.SIGUSR1)
@@ -270,29 +297,42 @@ class Replica:
             self.running = None
 
     def _finished(self, job_id: str, ev: dict[str, Any]) -> bool:
-        """Record one worker event for the running job; True when the job ended."""
+        """Record one worker event for the running job; True when the job ended. A store that cannot
+        be written fails the job (``storage_error``), never this thread."""
         store = self.sup.store
         kind = ev.get("event")
         if kind == "progress":
-            store.progress(job_id, ev["done"], ev["total"])
+            with contextlib.suppress(StoreError):  # the next step's progress supersedes it
+                store.progress(job_id, ev["done"], ev["total"])
             return False
         if kind == "completed":
             self.prompt_cache = ev.get("prompt_cache", self.prompt_cache)
-            store.progress(job_id, len(ev["step_seconds"]), len(ev["step_seconds"]))
-            if store.complete(job_id, ev["video"], ev):
+            with contextlib.suppress(StoreError):
+                store.progress(job_id, len(ev["step_seconds"]), len(ev["step_seconds"]))
+            try:
+                recorded = store.complete(job_id, ev["video"], ev)
+            except StoreError as e:
+                (store.videos / ev["video"]).unlink(missing_ok=True)
+                self.sup.storage_failed(str(e))
+                self.sup.end_job(job_id, "failed", ("storage_error", f"the video was made but the job store could "
+                                                                     f"not record it ({e}); submit the job again"))
+                return True
+            if recorded:
                 self.completed += 1
                 self.sup.job_seconds.append(ev["seconds"])
+                self.sup.storage_ok()
                 on = "" if len(self.sup.specs) == 1 else f" on worker {self.index}"
                 self._say(f"job {job_id} completed in {ev['seconds']:.2f} s{on}")
             else:  # cancelled as it finished (or failed at its timeout already): its video is not served
-                store.finish(job_id, "cancelled")  # no-op unless it was cancelling
+                self.sup.end_job(job_id, "cancelled")  # no-op unless it was cancelling
                 (store.videos / ev["video"]).unlink(missing_ok=True)
         elif kind == "cancelled":  # by a user, or at the job timeout (then already failed)
-            store.finish(job_id, "cancelled")
+            self.sup.end_job(job_id, "cancelled")
         else:
             error = ev.get("error", "the worker reported a failure")
-            store.finish(job_id, "failed", ("processing_error", error))
-            self._say(f"job {job_id} failed: {error}")
+            if ev.get("storage"):  # the worker could not write the video
+                self.sup.storage_failed(error)
+            self.sup.end_job(job_id, "failed", ("storage_error" if ev.get("storage") else "processing_error", error))
         return True
 
     def _replace(self, job_id: str, error: tuple[str, str] | None) -> None:
@@ -304,9 +344,9 @@ class Replica:
         self._worker = None
         self.restarts += 1
         self.state, self.reason = "replacing", "the worker is being replaced and warmed up again"
-        self.sup.store.remove_partial_files()
+        with contextlib.suppress(OSError):
+            self.sup.store.remove_partial_files()
         if error is None or job_id in self._cancel:
-            self.sup.store.finish(job_id, "cancelled")
+            self.sup.end_job(job_id, "cancelled")
         else:
-            self.sup.store.finish(job_id, "failed", error)
-            self._say(f"job {job_id} failed: {error[1]}")
+            self.sup.end_job(job_id, "failed", error)

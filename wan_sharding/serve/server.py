@@ -18,7 +18,8 @@ from typing import Any
 
 import uvicorn
 
-from ..jobs.requests import UsageError
+from ..jobs.conditioning import default_limits
+from ..jobs.requests import RequestLimits, UsageError
 from .replicas import Replica, model_heads, split_mesh, split_plan
 from .store import Store, StoreBusy
 from .resident import WorkerSpec
@@ -112,6 +113,27 @@ def worker_specs(p: dict[str, Any], defaults: dict[str, Any]) -> list[WorkerSpec
     return specs
 
 
+# serve's --max-* flags: (option key, RequestLimits field, what the flag's value is in)
+LIMIT_FLAGS = (("max_steps", "steps", 1), ("max_frames", "frames", 1), ("max_height", "height", 1),
+               ("max_width", "width", 1), ("max_frame_pixels", "frame_pixels", 1),
+               ("max_prompt_bytes", "prompt_bytes", 1), ("max_prompt_tokens", "prompt_tokens", 1),
+               ("max_images", "images", 1), ("max_image_mb", "image_bytes", 2**20),
+               ("max_image_pixels", "image_pixels", 1))
+HEADER_TIMEOUT_S = 10.0  # serve --header-timeout: a request head must be whole within this
+BODY_TIMEOUT_S = 30.0  # serve --body-timeout: the longest pause while a body arrives
+MAX_CONNECTIONS = 256  # serve --max-connections: well under the common 1,024 open files
+
+
+def request_limits(p: dict[str, Any]) -> RequestLimits:
+    """What one request may cost on this server: the model's defaults (:func:`default_limits`), each
+    overridden by its ``--max-*`` flag."""
+    base = default_limits(p["variant"], p.get("model")).as_dict()
+    for key, field, unit in LIMIT_FLAGS:
+        if p.get(key) is not None:
+            base[field] = int(p[key] * unit)
+    return RequestLimits(**base)
+
+
 def model_name(p: dict[str, Any]) -> str:
     """The job record's ``model``: the checkpoint directory, or ``tiny-<variant>``."""
     return str(p["model"]) if p.get("model") else f"tiny-{p['variant']}"
@@ -121,7 +143,8 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
     """Run the server with the options of ``serve`` (``p``) until it is stopped; the exit code."""
     from ..jobs.conditioning import conditioning
     from ..jobs.launch import stall_seconds
-    from .app import create_app
+    from .app import body_limits, create_app
+    from .guard import Guard, guarded_protocol
     from .supervisor import Supervisor
 
     specs = worker_specs(p, request_defaults(p))  # a mesh that does not split: refused before the socket
@@ -134,12 +157,17 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
     host, port = sock.getsockname()[:2]
     defaults = specs[0].config["defaults"]
     sup = Supervisor(store, specs, model=model_name(p), queue_size=p["queue"], job_timeout=p["job_timeout"],
-                     stall_s=p.get("stall_timeout") or stall_seconds(p["backend"]), say=_flushing(say))
+                     stall_s=p.get("stall_timeout") or stall_seconds(p["backend"]), say=_flushing(say),
+                     keep_seconds=None if not p.get("keep_days") else p["keep_days"] * 86400,
+                     keep_jobs=p.get("keep_jobs") or None)
+    limits = request_limits(p)
     app = create_app(sup, defaults={k: defaults[k] for k in ("num_inference_steps", "num_frames", "height", "width")},
                      variant=p["variant"], model=p.get("model"), cache=p.get("cache") or "none",
-                     rules=conditioning(p["variant"], p.get("model")), api_key=p.get("api_key"))
-    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=5))
+                     rules=conditioning(p["variant"], p.get("model")), limits=limits)
+    guarded = Guard(app, p.get("api_key"), body_limits(limits), p.get("body_timeout") or BODY_TIMEOUT_S)
+    protocol = guarded_protocol(p.get("header_timeout") or HEADER_TIMEOUT_S, p.get("max_connections") or MAX_CONNECTIONS)
+    server = _Server(uvicorn.Config(guarded, http=protocol, log_level="warning", access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=5, timeout_keep_alive=5))
     sup.on_broken = lambda _reason: setattr(server, "should_exit", True)
     url_host = f"[{host}]" if ":" in host else host
     mesh = p.get("plan_name") or p["mesh"]
@@ -149,6 +177,8 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
         f"job timeout {p['job_timeout']:g} s{', API key required' if p.get('api_key') else ''}); warming up "
         f"{workers} (GET /health is 503 until it is ready)")
     sys.stdout.flush()
+    _log_to(sys.stdout)
+    sup.prune(force=True)
     sup.start()
     try:
         server.run(sockets=[sock])
@@ -166,6 +196,17 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
         # server would exit 0. A stop by a signal is an interruption: exit 130 every time.
         raise KeyboardInterrupt(server.stopped_by)
     return 0
+
+
+def _log_to(stream: Any) -> None:
+    """The server's own errors (a store write that failed, with SQLite's real error) as one line each."""
+    import logging
+
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("wan-sharding serve: error: %(message)s"))
+    logger = logging.getLogger("wan_sharding.serve")
+    logger.handlers[:] = [handler]
+    logger.propagate = False
 
 
 def _flushing(say: Any) -> Any:

@@ -110,7 +110,13 @@ class Resident:
         emit({"event": "ready", "variant": self.variant, "dtype": self.dtype, "build_seconds": round(build_s, 3),
               "shard_seconds": round(shard_s, 3), "warmup_seconds": round(warm_s, 3),
               "warmup_shape": list(frames.shape), "text_encoder": self.text_encoder,
-              "prompt_cache": self.prompt_cache()})
+              "prompt_cache": self.prompt_cache(), "tokenizer": self.tokenizer_json()})
+
+    def tokenizer_json(self) -> str | None:
+        """The pipeline's tokenizer as ``tokenizers`` JSON: the server counts a prompt's tokens with it
+        before a job is queued (without importing torch or transformers itself)."""
+        backend = getattr(getattr(self.pipe, "tokenizer", None), "backend_tokenizer", None)
+        return backend.to_str() if backend is not None else None
 
     def _on_cancel(self, _signum: int, _frame: Any) -> None:
         self.cancel_requested = True
@@ -205,7 +211,12 @@ def _handle(state: Resident, job: dict[str, Any]) -> None:
         req = job["request"]
         frames, step_s = state.generate(req, lambda done, total: emit(
             {"event": "progress", "id": job_id, "done": done, "total": total}), state.images(req, job.get("images")))
-        video = write_video(frames, Path(job["stem"]), video_format=req.get("video_format") or "mp4")
+        try:
+            video = write_video(frames, Path(job["stem"]), video_format=req.get("video_format") or "mp4")
+        except OSError as e:  # the videos folder (unwritable, full): a storage failure, not the pipeline's
+            emit({"event": "failed", "id": job_id, "storage": True,
+                  "error": f"the video could not be written to the store ({e.strerror or type(e).__name__})"})
+            return
         emit({"event": "completed", "id": job_id, "video": video.name, "video_shape": list(frames.shape),
               "seconds": round(time.perf_counter() - t, 3), "step_seconds": [round(s, 3) for s in step_s],
               "prompt_cache": state.prompt_cache()})
