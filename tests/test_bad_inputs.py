@@ -82,7 +82,11 @@ def _fixtures(root: Path) -> dict[str, str]:
     for name in ("t2v-a14b-jax-2x4-mask.mp4", "t2v-a14b-jax-2x4-mask.json", "report.json", "plan.json",
                  "galaxy.ttsys"):
         (outputs / name).write_text("an earlier run's\n")
-    return {"file": str(root / "a-file"), "dir": str(root), "unwritable": UNWRITABLE,
+    from wan_sharding.lora.tiny import write_adapter
+    from wan_sharding.models import build_dit
+
+    write_adapter(root / "lora-5b.safetensors", build_dit("ti2v-5b"), rank=2)  # a LoRA for TI2V-5B's tiny expert
+    return {"file": str(root / "a-file"), "dir": str(root), "unwritable": UNWRITABLE, "lora5b": str(root / "lora-5b.safetensors"),
             "badmodel": str(bad), "notwan": str(other), "plan": str(root / "plan-2x4.json"),
             "noencoder": str(no_encoder), "outputs": str(outputs)}
 

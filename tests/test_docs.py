@@ -23,7 +23,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages a user reads for one topic: each linked from the README and from docs/README.md.
 TOPICS = ["check.md", "pipelines.md", "caching.md", "compile-only.md", "compile-hardware.md", "tt-backend.md", "patches.md", "planner.md",
           "meshes.md", "serving.md", "bad-inputs.md", "design.md", "hardware-facts.md", "tt-mlir-notes.md", "results.md",
-          "layout.md", "text-encoder.md", "pipeline-stages.md"]
+          "layout.md", "text-encoder.md", "pipeline-stages.md", "lora.md"]
 # What commands write (named in example output, made by the command, not kept in git): generate's,
 # compile's and submit's default --out, serve's --store, and the report `pytest -m tt` writes on hardware.
 OUTPUT_DIRS = ("results/generate", "results/compile/", "results/submit", "results/serve", "results/tt-first-run-")
@@ -87,6 +87,11 @@ def plan_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     rec = json.loads((ROOT / "results" / "plan_2x4_wormhole_b0_480p.json").read_text())["recommended"]
     ShardingPlan.from_dict(rec["plan"]).save(tmp_path / "plan.json")
+    from wan_sharding.lora.tiny import write_adapter  # the LoRA files docs/lora.md's commands load (tiny T2V)
+    from wan_sharding.models import build_dit
+
+    for name, seed in (("distill_high", 0), ("distill_low", 1)):
+        write_adapter(tmp_path / f"{name}.safetensors", build_dit("t2v-a14b", seed=seed), rank=4)
     return tmp_path
 
 

@@ -19,6 +19,7 @@ from . import text_encoder
 from .args import (add_cache, add_cfg, add_dtype, add_mesh, add_multihost, add_overwrite, add_padding, add_patches,
                    add_plan, add_text_encoder, print_settings, stack_missing)
 from .dryrun import dry_run
+from .lora import add_lora, validate_lora
 from .vae import add_vae_placement, check_vae_frame
 from .launch import binding_mesh, check_launch
 from .validate import apply_plan, check_generate, check_profile
@@ -39,6 +40,7 @@ def _validate_generate(args: argparse.Namespace) -> None:
     apply_plan(args, binding_mesh(args, "2x4"))
     check_generate(args)
     check_vae_frame(args)
+    validate_lora(args)
     check_video_format(args.video_format)
     text_encoder.validate_pipeline(args)
     check_launch(args, [args.backend])
@@ -46,6 +48,7 @@ def _validate_generate(args: argparse.Namespace) -> None:
 
 def _validate_profile(args: argparse.Namespace) -> None:
     check_profile(args)  # before apply_plan: it refuses --plan with --mesh unsharded
+    validate_lora(args)
     apply_plan(args, binding_mesh(args, "2x4"))
     check_launch(args, [args.backend])
 
@@ -107,6 +110,7 @@ def add_subcommands(sub: Any) -> None:
     add_padding(g, None)
     add_patches(g)
     add_cache(g)
+    add_lora(g)
     add_vae_placement(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prompt", default="a red fox running through fresh snow, golden hour")
@@ -139,6 +143,7 @@ def add_subcommands(sub: Any) -> None:
     add_padding(p, None)
     add_patches(p)
     add_cache(p)
+    add_lora(p)
     p.add_argument("--resolution", default="small", choices=sorted(PROFILE_LATENTS),
                    help="latent preset: tiny 3x10x14 (105 tokens), small 5x30x52 (1950 tokens)")
     p.add_argument("--latent", help="latent shape F,H,W (overrides --resolution)")
