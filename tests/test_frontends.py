@@ -6,6 +6,7 @@ each compile to seconds. Full-width comparisons are in scripts/bench_frontends.p
 
 from __future__ import annotations
 
+import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +16,11 @@ from conftest import stock_rotary_in_bf16
 from wan_sharding import apply_dit_sp_activation_sharding, get_backend, shard_dit_specs
 from wan_sharding.compile import BlockBill, CompileRequest, compile_reports, sysdesc
 from wan_sharding.compile.bill import BillEntry, attention_report, bill_problems, design_bytes
-from wan_sharding.compile.ttnn_ir import ttir_attention
+from wan_sharding.compile.ttnn_ir import TTNNModule, ttir_attention
 from wan_sharding.fused_sdpa import FusedSDPA, sdpa_math
 from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import LatentShape, build_dit, config_for, dit_inputs
+from wan_sharding.plan import ShardingPlan
 
 needs_plugin = pytest.mark.skipif(sysdesc.installed_plugin_version() is None,
                                   reason="jax-tt-plugin is not installed")
@@ -50,6 +52,11 @@ def reports(tmp_path_factory) -> dict[str, dict]:
         "torchax/1x4": _tiny("torchax", mesh="1x4", padding="none"),  # SP 1: nothing to pad
         "torchax/1x4/prompt_kv": _tiny("torchax", mesh="1x4", padding="none", patches=("prompt_kv",)),
         "torchax/8x4": _tiny("torchax", mesh="8x4"),
+        # tt-metal's layout: the residual split on D over TP between the projections (SP 1: tt-mlir
+        # rejects sharded D with SP > 1, docs/tt-mlir-notes.md), fused QKV as tt-metal has it
+        "torchax/sharded-1x4": CompileRequest.for_plan(
+            ShardingPlan(mesh_shape=(1, 4), sp_axes=(), tp_axes=("tp",), layout="sharded", padding="none"),
+            variant="t2v-a14b", size="tiny", blocks=2, latent=(3, 10, 14), frontend="torchax", patches=("qkv",)),
         "torchax/rope": _tiny("torchax", patches=("rope",)),
         "torchax/unmarked": _tiny("torchax", mark_arguments=False),
         "torch-xla/prompt_kv": _tiny("torch-xla", patches=("prompt_kv",)),
@@ -234,6 +241,56 @@ def test_every_runtime_op_of_a_block_gets_a_cause(reports, frontend):
         reports["torchax/1x4"]["runtime_ops_per_block_by_cause"]
     assert kv["projections"] < plain["projections"] and kv["norms"] < plain["norms"]
     assert kv["RoPE"] == plain["RoPE"] and kv["adaLN"] == plain["adaLN"]
+
+
+# One block's fused forms, as tt-mlir writes them at level 1 with the rope and adaln_norm patches
+# (shapes of the 2x4 480p step): the fused RoPE and a heads-first table multiply, the adaLN vectors
+# made into the LayerNorm's (D,) weight and bias, the fused head merge.
+_FUSED_TTNN = textwrap.dedent("""\
+    %1 = "ttnn.rotary_embedding"(%arg0, %arg1, %arg2) : (tensor<1x10x16384x128xf32>, tensor<1x1x16384x128xf32>, tensor<1x1x16384x128xf32>) -> tensor<1x10x16384x128xf32> loc(#l)
+    %2 = "ttnn.multiply"(%arg3, %arg1) : (tensor<1x10x16384x128xf32>, tensor<1x1x16384x128xf32>) -> tensor<1x10x16384x128xf32> loc(#l)
+    %3 = "ttnn.silu"(%arg4) : (tensor<1x5120xf32>) -> tensor<1x5120xf32> loc(#l)
+    %4 = "ttnn.reshape"(%3) <{shape = [1 : i32, 1 : i32, 5120 : i32]}> : (tensor<1x5120xf32>) -> tensor<1x1x5120xf32> loc(#l)
+    %5 = "ttnn.add"(%4, %arg5) : (tensor<1x1x5120xf32>, tensor<1x1x5120xf32>) -> tensor<1x1x5120xf32> loc(#l)
+    %6 = "ttnn.reshape"(%5) <{shape = [5120 : i32]}> : (tensor<1x1x5120xf32>) -> tensor<5120xf32> loc(#l)
+    %7 = "ttnn.add"(%6, %arg6) : (tensor<5120xf32>, tensor<1xf32>) -> tensor<5120xf32> loc(#l)
+    %8 = "ttnn.layer_norm"(%arg7, %7, %6) <{epsilon = 9.99999997E-7 : f32}> : (tensor<1x16384x5120xf32>, tensor<5120xf32>, tensor<5120xf32>) -> tensor<1x16384x5120xf32> loc(#l)
+    %9 = "ttnn.concatenate_heads"(%1) : (tensor<1x10x16384x128xf32>) -> tensor<1x16384x1280xf32> loc(#l)
+""")
+
+
+def test_the_fused_rope_adaln_norm_and_head_merge_get_their_causes():
+    from wan_sharding.compile import causes
+
+    (nodes,) = causes.step_functions(TTNNModule.parse(_FUSED_TTNN))
+    causes.classify(nodes)
+    assert [(n.name, n.cause) for n in nodes] == [
+        ("rotary_embedding", "RoPE"), ("multiply", "RoPE"), ("silu", "projections"), ("reshape", "adaLN"),
+        ("add", "adaLN"), ("reshape", "adaLN"), ("add", "adaLN"), ("layer_norm", "norms"),
+        ("concatenate_heads", "heads")]
+
+
+@needs_plugin
+def test_the_sharded_residual_plan_has_the_forms_fused_collectives_match(reports):
+    """tt-mlir #9028 / #9066 fuse ``linear(all_gather(x, last dim))`` (the gather's only use) and
+    ``reduce_scatter(linear(x), last dim)`` (the matmul's only use). With the residual split on D,
+    every block has three of each, nothing between: QKV, attn2's query and the FFN's first layer
+    read a gather of D; attn1's and attn2's outputs and the FFN's second layer are scattered on D."""
+    from pathlib import Path
+
+    from wan_sharding.compile.ccl_fusion import GATHER_MATMUL, MATMUL_SCATTER, fused_ccl_sites
+
+    r = reports["torchax/sharded-1x4"]
+    assert r["ok"], r.get("error")
+    sites = fused_ccl_sites(Path(r["ttir_path"]).read_text())
+    assert [s for s in sites if not s.fusable] == []
+    cfg = config_for("t2v-a14b")
+    blocks, tokens, dim = 2, 3 * 5 * 7, cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    on_tokens = [s for s in sites if s.gathered_or_scattered[:-1] == (1, tokens)]
+    assert [s.gathered_or_scattered for s in on_tokens if s.kind == GATHER_MATMUL] == [(1, tokens, dim)] * 3 * blocks
+    assert [s.gathered_or_scattered for s in on_tokens if s.kind == MATMUL_SCATTER] == [(1, tokens, dim)] * 3 * blocks
+    # the replicated layout has none of them (its row-parallel outputs are all-reduced)
+    assert fused_ccl_sites(Path(reports["torchax/1x4"]["ttir_path"]).read_text()) == []
 
 
 @needs_plugin

@@ -44,6 +44,22 @@ def test_options_default_to_tt_xlas_wan_settings_with_the_plugins_keys():
     assert set(PLUGIN_KEYS.values()) == set(hw.plugin_options())
 
 
+def test_bfp8_collectives_are_an_opt_in_option_sent_only_when_on():
+    # tt-xla's plugin reads enable_activation_dtype_lowering (off by default; hardware's Wan tests
+    # leave it off): sent only when asked for, and kept when level 1 is lowered on Wormhole.
+    on = CompileOptions.parse("enable_activation_dtype_lowering=true")
+    assert on.activation_dtype_lowering and on.plugin_options()["enable_activation_dtype_lowering"] == "true"
+    assert "enable_activation_dtype_lowering" not in CompileOptions.hardware().plugin_options()
+    assert on.differs_from(CompileOptions.hardware()) == ["enable_activation_dtype_lowering=true (hardware: false)"]
+    assert effective_options(on, "wormhole_b0")[0].activation_dtype_lowering
+    with pytest.raises(ValueError, match="enable_activation_dtype_lowering must be true or false"):
+        CompileOptions.parse("enable_activation_dtype_lowering=bfp8")
+    # jax-tt-plugin 0.1.3 fails such a compile ("No such compile option"): refused before any worker
+    if sysdesc.installed_plugin_version() == "0.1.3":
+        with pytest.raises(CompileError, match="not one jax-tt-plugin 0.1.3 parses"):
+            CompileRequest(size="tiny", mesh="1x4", compile_options="enable_activation_dtype_lowering=true").validate()
+
+
 @pytest.mark.parametrize("text,expect", [
     ("optimization_level=0", {"optimization_level": 0, "dram_space_saving": True, "enable_trace": True}),
     ("experimental-enable-dram-space-saving-optimization=off,enable_trace=0",

@@ -1,5 +1,5 @@
 """The exact small cuts: torchax's ``add`` / ``sub`` (alpha 1) and ``neg`` without a multiply, and the
-``rope`` patch's rotary cast once with its sign folded into the sin table. Both bit-identical.
+``rope`` patch's rotary cast once, in the rotate-half form tt-mlir fuses. Both bit-identical.
 
 In-process, JAX on this process's CPU devices (conftest.py). The op counts these cuts remove from a
 compiled block are measured through tt-mlir in docs/patches.md.
@@ -16,7 +16,9 @@ import torch
 from wan_sharding.backends.torchax_ops import _add, _neg, _sub, install_lean_lowerings
 from wan_sharding.models import LatentShape, build_dit, dit_inputs
 from wan_sharding.patches import apply_patches
-from wan_sharding.patches.processor import half_rotary
+from wan_sharding.dit.attention import apply_rotary
+from wan_sharding.patches.processor import heads_first_rotary
+from wan_sharding.patches.rope import half_layout
 
 from conftest import stock_rotary_in_bf16
 from jaxprs import equations
@@ -96,11 +98,12 @@ def _torchax_own_lowerings():
         env._ops.update(ours)
 
 
-def test_a_patched_bf16_forward_traces_no_multiply_by_one_and_no_negation():
+def test_a_patched_bf16_forward_traces_no_multiply_by_one_and_one_negation_per_rotary():
     """The whole tiny bf16 forward with the rope patch, as the jax backend traces it: none of
     torchax's multiplies by +-1 (alpha, neg; diffusers' own timestep ``scale * emb`` with scale 1 is
-    the model's), no ``neg`` (the rotation's sign is in the table), and at least two casts fewer
-    per block than vanilla's interleaved rotary (q and k cast once each)."""
+    the model's), one ``neg`` for q and one for k per block (rotate-half's, the form tt-mlir's RoPE
+    fusion matches), and at least two casts fewer per block than vanilla's interleaved rotary (q
+    and k cast once each)."""
     from wan_sharding import shard_dit_specs
     from wan_sharding.backends.jax import JaxBackend
     from wan_sharding.mesh import mesh_from_preset
@@ -122,21 +125,25 @@ def test_a_patched_bf16_forward_traces_no_multiply_by_one_and_no_negation():
     assert not _torchax_units(vanilla) and not _torchax_units(patched)
     with _torchax_own_lowerings():  # the control: torchax's own add / neg emit them, every block
         assert len(_torchax_units(trace(["rope", "rope_tables"]))) >= 3 * dit.config.num_layers
-    assert not [e for e in patched if e.primitive.name == "neg"]
+    blocks = dit.config.num_layers
+    assert sum(e.primitive.name == "neg" for e in patched) == 2 * blocks
     casts = lambda eqns: sum(e.primitive.name == "convert_element_type" for e in eqns)  # noqa: E731
     # vanilla (interleaved): x1, x2 each cast for both products of q and of k; the patch: q and k once
-    blocks = dit.config.num_layers
     assert casts(vanilla) - casts(patched) >= 2 * blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tables", [torch.float32, torch.float64])
-def test_half_rotary_with_the_signed_table_is_the_rotate_half_form_bit_for_bit(dtype, tables):
+def test_heads_first_rotate_half_is_the_interleaved_rotary_permuted_bit_for_bit(dtype, tables):
+    """The ``rope`` patch's rotary (heads first, rotate-half, tables ``[c | c]`` / ``[s | s]``) on q laid
+    out in halves gives diffusers' interleaved rotary's values, permuted the same way, bit for bit."""
     x = torch.randn(1, 50, 4, 16).to(dtype)
     x[0, 0, 0, :4] = torch.tensor([-0.0, float("inf"), 0.0, -float("inf")])
     c, s = torch.randn(1, 50, 1, 8).to(tables), torch.randn(1, 50, 1, 8).to(tables)
-    x1, x2 = x.chunk(2, dim=-1)
-    before = (x * torch.cat([c, c], -1) + torch.cat((-x2, x1), -1) * torch.cat([s, s], -1)).type_as(x)
-    after = half_rotary(x, torch.cat([c, c], -1), torch.cat([-s, s], -1))
-    assert after.dtype == dtype and torch.equal(before.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                                                after.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    perm = half_layout(16)
+    before = apply_rotary(x, c.repeat_interleave(2, -1), s.repeat_interleave(2, -1))[..., perm]
+    q, k = heads_first_rotary(x[..., perm], x[..., perm].clone(), torch.cat([c, c], -1), torch.cat([s, s], -1))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for after in (q, k):
+        assert after.dtype == dtype and after.shape == x.shape
+        assert torch.equal(before.view(bits), after.contiguous().view(bits))

@@ -8,6 +8,7 @@ the real tt-mlir compiler (compile-only) on two plans in one worker batch (~30 s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -322,3 +323,54 @@ def test_the_text_encoder_on_the_mesh_counts_its_weights_per_chip():
     assert checked
     without = plan_sharding("2x4", "blackhole", "t2v-a14b", "480p", compile=False)
     assert all(c.memory is None or c.memory.text_encoder == 0 for c in without.candidates)
+
+
+# ----------------------------------------------------------------------------- bfp8 collectives
+
+
+def test_bfp8_rounding_keeps_7_bits_at_the_blocks_exponent() -> None:
+    from wan_sharding.planner.bfp8 import bfp8_round
+
+    # one block of 16: the largest value 1.0 sets the step 2**-6; 0.3 -> 19/64, 0.001 -> 0, -0.5 exact
+    x = torch.tensor([1.0, 0.3, 0.001, -0.5] + [0.0] * 12)
+    assert bfp8_round(x).tolist() == [1.0, 19 / 64, 0.0, -0.5] + [0.0] * 12
+    # blocks are independent (17 values: a second, padded block), and the largest magnitude keeps 7 bits
+    y = torch.tensor([3.0] + [0.0] * 15 + [0.0101])
+    assert bfp8_round(y).tolist() == [3.0] + [0.0] * 15 + [pytest.approx(0.0101, abs=2 ** -13)]
+    assert bfp8_round(torch.tensor([1.9921875, 1.99609375])).tolist() == [1.984375, 1.984375]  # 127 / 64 at most
+
+
+def test_bfp8_collectives_emulated_on_the_tiny_model_and_ranked_by_the_planner() -> None:
+    """The all-reduces' partial sums rounded as bfp8 move each row-parallel output by ~0.7 % (rms,
+    measured 0.68 % mean, 0.88 % at most on the tiny T2V model, fp32, TP 4), the restore is exact;
+    the planner charges those collectives 0.53 of their bf16 bytes."""
+    from wan_sharding.planner.bfp8 import ROW_PARALLEL, emulate_bfp8_collectives
+
+    dit = build_dit("t2v-a14b")
+    inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    mods = dict(dit.named_modules())
+
+    def run():
+        outs = []
+        hooks = [mods[f"blocks.{i}.{n}"].register_forward_hook(lambda m, a, o: outs.append(o))
+                 for i in range(len(dit.blocks)) for n in ROW_PARALLEL]
+        with torch.no_grad():
+            y = dit(**inputs, return_dict=False)[0]
+        for h in hooks:
+            h.remove()
+        return y, outs
+
+    ref, ref_outs = run()
+    restore = emulate_bfp8_collectives(dit, 4)
+    out, outs = run()
+    restore()
+    rel = [float((a - b).norm() / b.norm()) for a, b in zip(outs, ref_outs)]
+    assert 0.001 < max(rel) < 0.02 and pcc(ref, out) > 0.9999
+    assert torch.equal(run()[0], ref)
+    work = Workload.build("t2v-a14b", "480p")
+    plan = ShardingPlan(mesh_shape=(2, 4))
+    chip, fabric = hardware.chip("blackhole"), hardware.fabric_for("blackhole", (2, 4))
+    base, bfp8 = (analytic.estimate(w, plan, chip, fabric) for w in (work, dataclasses.replace(work, bfp8_collectives=True)))
+    tp_ar = lambda e: next(i for i in e.bill if "to_out" in i.what)  # noqa: E731
+    assert bfp8.seconds_per_forward < base.seconds_per_forward
+    assert tp_ar(bfp8).operand == pytest.approx(tp_ar(base).operand * 17 / 32)

@@ -205,9 +205,11 @@ def serving(store: Path, *extra: str, ready: Callable[[Server], object] = Server
 
 @pytest.fixture(scope="module")
 def server(store):
-    # the UMT5 text encoder sharded with the experts (the other serve tests' servers keep it on the host)
+    # the UMT5 text encoder and the VAE sharded with the experts (the other serve tests' servers keep
+    # them on the host)
     # short header / body timeouts and a small connection cap: tests/test_serve.py's slow clients
-    yield from serving(store, "--queue", "1", "--text-encoder", "mesh", *GUARDS)
+    # --max-tokens 64: a request of the default 32x32 frame over 61 frames is refused by the token limit
+    yield from serving(store, "--queue", "1", "--text-encoder", "mesh", "--vae", "mesh", "--max-tokens", "64", *GUARDS)
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +224,7 @@ def reference(server) -> dict:
 def test_a_job_completes_and_its_video_downloads(server, store, reference, tmp_path):
     health = server.http.get("/health").json()
     assert health["status"] == "ok" and health["worker"]["warmup_shape"] == [1, 32, 32, 3]
+    assert any("a request may have at most 64 DiT tokens, 81 frames, 256x256" in line for line in server.lines)
     assert [w["state"] for w in health["workers"]] == ["ready"] and health["workers"][0]["mesh"] == "2x4"
     job = server.job(reference["id"])
     # tt-media-server's job record (Job.to_public_dict): no "error" key unless it failed
@@ -391,6 +394,25 @@ def test_a_repeated_prompt_reuses_its_embeddings(server, reference):
     assert server.video(first["id"]) == server.video(again["id"])
 
 
+def _vae_calls(text: str) -> dict[str, int]:
+    """worker 0's VAE calls on the mesh in a /metrics text."""
+    found = re.findall(r'^wan_sharding_vae_mesh_(\w+)s_total\{worker="0",[^}]*\} (\d+)$', text, re.M)
+    return {k: int(v) for k, v in found}
+
+
+def test_serve_vae_mesh_decodes_each_job_on_the_mesh(server, reference):
+    """``serve --vae mesh`` reaches the worker: its pipeline's VAE is the sharded one, and each job's
+    video is decoded by it (one more mesh decode per job in /metrics; the warm-up made the first)."""
+    server.wait_healthy()
+    info = server.http.get("/health").json()["worker"]
+    assert info["vae"]["placement"] == "mesh" and info["vae"]["mesh_decodes"] == 1  # the warm-up's
+    before = _vae_calls(server.http.get("/metrics").text)
+    done = server.wait(server.post({**REQUEST, "seed": 11}).json()["id"])
+    after = _vae_calls(server.http.get("/metrics").text)
+    assert done["status"] == "completed"
+    assert before["decode"] >= 2 and after == {"decode": before["decode"] + 1, "encode": 0}  # T2V: no encode
+
+
 # ---- issue 48: a server that stays up and tells the truth ---------------------------------------
 
 
@@ -476,6 +498,75 @@ def test_a_store_that_cannot_be_written_fails_one_job_and_the_server_serves_on(s
     _wait_health(server, 200)
 
 
+def test_health_is_degraded_while_the_worker_is_stopped_or_gone(server, reference):
+    """The worker's process stopped for real (SIGSTOP): 503 ``degraded`` naming it, a job accepted
+    meanwhile waits and completes after SIGCONT, then 200. SIGKILLed while idle: once the process
+    is dead, the very next /health is 503 ``replacing`` with how it died (never 200 for a dead
+    worker), a job accepted meanwhile completes on the replacement, then 200 with its pid."""
+    old = server.wait_healthy()["worker_pid"]
+    os.kill(old, signal.SIGSTOP)
+    try:
+        r = _health(server)
+        assert r.status_code == 503 and r.json()["status"] == "degraded", r.text
+        assert f"process (pid {old}) is stopped (SIGSTOP" in r.json()["reason"]
+        waiting = server.post(REQUEST)
+        assert waiting.status_code == 202
+        time.sleep(0.5)
+        assert server.job(waiting.json()["id"])["status"] in ("queued", "in_progress")  # held, not lost
+    finally:
+        os.kill(old, signal.SIGCONT)
+    assert server.wait(waiting.json()["id"], timeout=30)["status"] == "completed"
+    assert _wait_health(server, 200)["worker_pid"] == old
+
+    restarts = _health(server).json()["worker_restarts"]
+    os.kill(old, signal.SIGKILL)
+    for _ in range(100):  # until the kernel has ended it (a zombie, or reaped already)
+        if not Path(f"/proc/{old}").exists() or Path(f"/proc/{old}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.01)
+    r = _health(server)
+    assert r.status_code == 503 and r.json()["status"] == "replacing", r.text
+    assert "died" in r.json()["reason"] and "(killed by SIGKILL); it is being replaced" in r.json()["reason"], r.text
+    behind = server.post(REQUEST)  # accepted while the replacement warms up: run once it is warm
+    assert behind.status_code == 202
+    health = _wait_health(server, 200, timeout=120)
+    assert health["worker_pid"] not in (None, old) and health["worker_restarts"] == restarts + 1
+    assert server.wait(behind.json()["id"], timeout=60)["status"] == "completed"
+
+
+def test_health_is_degraded_after_jobs_fail_for_a_storage_reason(server, store, reference):
+    """Three jobs in a row fail for a storage reason the health probe cannot see (each video's name
+    taken by a folder: the folder itself stays writable): 503 ``degraded`` naming the last reason.
+    It recovers at the next job that completes (only a real job shows the cause went), which is
+    accepted meanwhile; no job is lost or stuck."""
+    assert server.wait(server.post(REQUEST).json()["id"])["status"] == "completed"  # no storage failure before
+    taken = []
+    try:
+        for i in range(3):
+            job = server.post({**REQUEST, "num_inference_steps": 10}).json()
+            taken.append(store / "videos" / f"{job['id']}.mp4")
+            taken[-1].mkdir()  # before its 10 steps end: its video cannot be renamed into place
+            failed = server.wait(job["id"], timeout=60)
+            assert failed["status"] == "failed" and failed["error"]["code"] == "storage_error", failed
+            assert "the video could not be written to the store (Is a directory)" in failed["error"]["message"]
+            if i < 2:
+                assert _health(server).status_code == 200  # fewer than 3 in a row: ok
+        r = _health(server)
+        assert r.status_code == 503 and r.json()["status"] == "degraded", r.text
+        assert r.json()["reason"] == ("the last 3 jobs failed for a storage reason: the video could not be written to "
+                                      "the store (Is a directory)")
+    finally:
+        for path in taken:
+            path.rmdir()
+    assert _health(server).status_code == 503  # the cause went, but nothing has shown it yet
+    again = server.post(REQUEST)  # accepted while degraded: the job that shows the store works
+    assert again.status_code == 202
+    assert server.wait(again.json()["id"], timeout=60)["status"] == "completed"
+    _wait_health(server, 200, timeout=5)
+    jobs = server.http.get("/v1/videos/jobs", params={"limit": 1000}).json()
+    assert not [j for j in jobs if j["status"] in ("queued", "in_progress", "cancelling")]  # nothing stuck
+
+
 HUGE = 2**64 + 1
 ODD_VALUES = [  # (field, JSON text of its value, what the one line names)
     ("num_inference_steps", "100000", "must be 1 to 10000"), ("num_inference_steps", str(HUGE), "must be 1 to"),
@@ -487,7 +578,10 @@ ODD_VALUES = [  # (field, JSON text of its value, what the one line names)
     ("negative_prompt", '"\\udfff"', "a lone UTF-16 surrogate"), ("prompt", '"a\\u0000b"', "a NUL character"),
     ("prompt", json.dumps("fox " * 3000), "over the 8,192-byte prompt limit (--max-prompt-bytes)"),
     ("prompt", json.dumps("fox " * 1000), "tokens is over the 512-token prompt limit (--max-prompt-tokens"),
-    ("\\ud800", "1", "Input should be a valid string"), ("video_format", '"\\ud800"', "video_format: Input should be"),
+    ("num_frames", "81", "81x32x32: 84 tokens is over the 64 one request may have on this server's mesh (serve: "
+                         "--max-tokens)"),
+    ("\\ud800", "1", "a field name: a lone UTF-16 surrogate at character 0 is not text; send UTF-8 text"),
+    ("video_format", '"mp\\ud800"', "video_format: a lone UTF-16 surrogate at character 2 is not text; send UTF-8 text"),
 ]
 
 
@@ -502,6 +596,47 @@ def test_every_field_is_bounded_and_no_value_gives_a_500(server, reference, fiel
     error = r.json()["error"]
     assert line in error and "\n" not in error and len(error) < 600, error
     assert server.http.get("/v1/videos/jobs").json() == before
+
+
+def test_request_limits_are_sized_from_the_model_and_the_mesh():
+    """The token limit is the largest count whose per-device memory, by the planner's model, fits
+    one device: exactly (one token more does not), more the more the mesh shards the work at the
+    same device memory, fewer on one of two replicas than on the whole mesh; frames, height, width
+    and frame pixels follow from it, each at most what fits with the others at their least."""
+    from wan_sharding.jobs.conditioning import default_limits
+    from wan_sharding.mesh import mesh_from_preset
+    from wan_sharding.plan import ShardingPlan
+    from wan_sharding.planner.serving import device_memory_bytes, max_request_tokens, resident_bytes, workload
+    from wan_sharding.planner.workload import memory_per_chip
+    from wan_sharding.serve.server import mesh_tokens, request_limits
+
+    budget = 64e6  # bytes a device may fill
+    found = {}
+    for mesh in ("1x1", "1x4", "2x4", "8x4"):
+        plan = ShardingPlan.from_mesh(mesh_from_preset(mesh))
+        tokens = found[mesh] = max_request_tokens("t2v-a14b", "tiny", plan, budget, attention="materialised",
+                                                  dtype_bytes=4)
+        weights, _ = resident_bytes("t2v-a14b", "tiny", plan, 4, False)
+        total = lambda n: memory_per_chip(workload("t2v-a14b", "tiny", n), plan, weights, "materialised").total  # noqa: E731
+        assert total(tokens) <= budget < total(tokens + 1), mesh
+    assert found["1x1"] < found["1x4"] < found["2x4"] < found["8x4"]  # the scores split over SP and TP
+    fused = max_request_tokens("t2v-a14b", "tiny", ShardingPlan.from_mesh(mesh_from_preset("2x4")), budget,
+                               attention="fused", dtype_bytes=4)
+    assert fused > 10 * found["2x4"]  # no score tensor: the working set grows linearly, not quadratically
+    assert max_request_tokens("t2v-a14b", "tiny", ShardingPlan(), 1e3, attention="fused") == 0  # weights alone
+
+    # on the CPU mesh every device shares this host's memory: a replica's sub-mesh takes fewer tokens
+    p = {"variant": "t2v-a14b", "backend": "jax", "mesh": "2x4", "padding": None, "dtype": None}
+    assert mesh_tokens({**p, "replicas": 2}) < mesh_tokens(p)
+    # on tt a chip's DRAM: a Blackhole chip (serve --arch blackhole, or its rank binding's) holds more than a Wormhole one
+    assert device_memory_bytes("tt", 32, "blackhole") / device_memory_bytes("tt", 32) == 32 / 12
+    assert device_memory_bytes("tt", 32) == device_memory_bytes("tt", 1, "wormhole_b0")  # a chip's, whatever the mesh
+    # frames, height and width derived from a token count (the tiny VAE: 4k+1 frames, 16-pixel tokens)
+    limits = default_limits("t2v-a14b", None, 10)
+    assert (limits.frames, limits.height, limits.width, limits.frame_pixels, limits.tokens) == (37, 160, 160, 2560, 10)
+    assert default_limits("t2v-a14b", None, 10**6).tokens == 21 * 16 * 16  # at most the model's largest video
+    assert request_limits({**p, "max_tokens": 7, "max_frames": 9}).tokens == 7  # each flag overrides its default
+    assert request_limits({**p, "max_tokens": 7, "max_frames": 9}).frames == 9
 
 
 def _raw(server: Server, head: str, body: bytes = b"", read: bool = True, timeout: float = 10) -> bytes:

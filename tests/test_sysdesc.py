@@ -61,7 +61,7 @@ def test_round_trip(arch: str, num_chips: int) -> None:
     ref = json.loads((Path(sysdesc.__file__).with_name("chips.json")).read_text())["chips"][arch]
     chip = d["chips"][-1]
     for name, kind in ttsys.CHIP_FIELDS:
-        want = ref[name]
+        want = ref.get("grid_size_by_chips", {}).get(str(num_chips), ref[name]) if name == "grid_size" else ref[name]
         if kind == "dim2d":
             want = (want["y"], want["x"])
         elif kind == "dim2dvec":
@@ -69,6 +69,19 @@ def test_round_trip(arch: str, num_chips: int) -> None:
         elif kind == "u16vec":
             want = [ttsys.DATA_TYPE[t] for t in want]
         assert chip[name] == want, name
+
+
+@pytest.mark.parametrize("num_chips, grid", [(1, (10, 11)), (2, (10, 11)), (4, (10, 11)), (8, (10, 12)),
+                                             (32, (10, 12))])
+def test_blackhole_worker_grid_is_the_mock_boards(num_chips: int, grid: tuple[int, int]) -> None:
+    """The compute-with-storage grid of the board tt-metal's mock device opens for this many
+    Blackhole chips (docs/hardware-facts.md, "The worker grid": 2 of 14 Tensix columns harvested on
+    the 1-, 2- and 4-chip boards, 1 on the 8-chip and Galaxy boards, less the dispatch column).
+    tt-mlir refuses any other grid at optimization level >= 1; Wormhole n150 stays 8x8."""
+    assert sysdesc.worker_grid("blackhole", num_chips) == grid
+    chips = read_system_descriptor(build_system_descriptor("blackhole", num_chips))["chips"]
+    assert {c["grid_size"] for c in chips} == {grid}
+    assert sysdesc.worker_grid("wormhole_b0", num_chips) == (8, 8)
 
 
 def test_default_grids() -> None:

@@ -161,6 +161,12 @@ class Backend(abc.ABC):
         :meth:`place` put there, not from the specs."""
         raise BackendError(f"the {self.name} backend cannot report its placed weights")
 
+    def place_lora(self, dit: torch.nn.Module, placed: Any, specs: Mapping[str, Spec]) -> None:
+        """Put ``dit``'s LoRA parameters (``specs``: name -> spec, every LoRA parameter it has now)
+        on the mesh again after an adapter was loaded, swapped or deleted, leaving the base weights
+        where they are; ``placed`` (what :meth:`place` returned) is updated in place."""
+        raise BackendError(f"the {self.name} backend cannot place LoRA weights again; shard the pipeline again")
+
     def release(self, dit: torch.nn.Module) -> None:
         """Forget anything compiled or cached for ``dit`` (nothing by default)."""
 

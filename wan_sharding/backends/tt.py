@@ -214,6 +214,13 @@ class TTBackend(XlaBackend):
         self._unpin_norms(dit)
         return super().place(dit, specs)
 
+    def place_lora(self, dit: torch.nn.Module, placed: Any, specs: Mapping[str, Spec]) -> None:
+        """As the xla backend, the LoRA specs kept beside the base's for the check before the next
+        compile (dynamo compiles the forward again: its guards hold the parameters)."""
+        self._placed_specs[dit] = {**{n: s for n, s in self._placed_specs.get(dit, {}).items()
+                                      if n in dict(dit.named_parameters())}, **specs}
+        super().place_lora(dit, placed, specs)
+
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         # Returns a new value, so replicated-then-sharded stays two constraints in the graph.
         return self._sharding.sharding_constraint_tensor(tensor, self.native_mesh, self.activation_spec(tensor, spec))

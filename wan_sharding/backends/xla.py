@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ..lora_layers import live_scales, scales_as
 from ..mesh import MeshSpec
 from ..specs import Spec
 from .base import (Backend, BackendError, compiled_cache_program, input_signature, move_module, slice_bytes,
@@ -100,6 +101,22 @@ class XlaBackend(Backend):
             xs.mark_sharding(param, self.native_mesh, spec)
         return None
 
+    def place_lora(self, dit: torch.nn.Module, placed: Any, specs: Mapping[str, Spec]) -> None:
+        """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh again, each
+        from a host copy (a hotswap or a new adapter may have left it on the host, or written it in
+        place); the base weights stay as they are."""
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
+        torch_xla.sync()  # a hotswap's in-place copies on the devices run as one graph, not one per weight read
+        for name, spec in specs.items():
+            owner, _, attr = name.rpartition(".")
+            module = dit.get_submodule(owner)
+            host = module._parameters[attr].detach().to("cpu")
+            module._parameters[attr] = torch.nn.Parameter(host.to(self.device), requires_grad=module._parameters[attr].requires_grad)
+            xs.mark_sharding(module._parameters[attr], self.native_mesh, spec)
+        self.__dict__.get("_cache_programs", {}).pop(id(dit), None)  # dynamo's guards hold the old parameters
+
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         import torch_xla.distributed.spmd as xs
 
@@ -146,7 +163,18 @@ class XlaBackend(Backend):
         """One forward traced lazily; torch-xla compiles (or reuses, by graph hash) when the output
         is materialised."""
         args, kwargs = self._to_device(args, kwargs)
-        return dit(*args, **kwargs, return_dict=False)[0]
+        with scales_as(dit, self.device_scales(dit)):
+            return dit(*args, **kwargs, return_dict=False)[0]
+
+    def device_scales(self, dit: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The LoRA adapters' live scales as device scalars: data of the traced graph, so a new
+        scale finds the same graph again (as Python numbers, 0 and 1 would be constants baked into
+        the graph, torch-xla's special scalars)."""
+        scales = live_scales(dit)
+        if not scales:
+            return {}
+        values = torch.tensor(list(scales.values()), dtype=torch.float32).to(self.device)
+        return dict(zip(scales, values.unbind()))
 
     def run_function(self, dit: torch.nn.Module, placed: Any, fn: Any, *args: Any) -> Any:
         """``fn(dit, *args)`` traced lazily on the device and materialised at once

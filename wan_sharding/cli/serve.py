@@ -9,12 +9,14 @@ from typing import Any
 
 from ..jobs.requests import RequestLimits, check_limits, check_video_format
 from ..options import vae_placement
+from ..planner.hardware import ARCHS
+from ..planner.serving import TT_ARCH
 from . import text_encoder
 from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
 from .dryrun import dry_run
 from .pipeline import add_pipeline_source, worker_params
 from .launch import binding_mesh, check_launch
-from .vae import add_vae_placement
+from .vae import add_vae_placement, check_vae_frame
 from .validate import (
     REQUEST_FLAGS,
     UsageError,
@@ -42,6 +44,7 @@ def check_serve(args: argparse.Namespace) -> None:
     if args.model is not None:
         model_dir(args.model)
     check_video(args.frames, args.height, args.width, args.variant, args.model)
+    check_vae_frame(args)
     text_encoder.validate_pipeline(args)
     missing = mp4_encoder_missing()
     if missing:  # a request gets MP4 unless it asks for a GIF
@@ -57,8 +60,14 @@ def check_serve(args: argparse.Namespace) -> None:
                          "another key")
     from ..serve.server import request_limits
 
-    check_limits({"num_inference_steps": args.steps, "num_frames": args.frames, "height": args.height,
-                  "width": args.width}, request_limits({**vars(args), "plan": None}), REQUEST_FLAGS)
+    from ..jobs.requests import video_factors
+    from ..serve.server import request_defaults
+
+    defaults = request_defaults(vars(args))
+    check_limits({"num_inference_steps": args.steps, "num_frames": defaults["num_frames"],
+                  "height": defaults["height"], "width": defaults["width"]},
+                 request_limits({**vars(args), "plan": args.plan.to_dict() if args.plan is not None else None}),
+                 REQUEST_FLAGS, factors=video_factors(args.variant, args.model))
     if args.keep_days < 0 or args.keep_jobs < 0:
         raise UsageError(f"--keep-days {args.keep_days:g} --keep-jobs {args.keep_jobs}: must be >= 0 (0: no bound)")
     output_dir(args.store, "--store")
@@ -69,6 +78,17 @@ def check_serve(args: argparse.Namespace) -> None:
 
 def _validate_serve(args: argparse.Namespace) -> None:
     args.vae = vae_placement(args.vae, args.backend)
+    if args.arch is not None and args.backend != "tt":
+        raise UsageError(f"--arch {args.arch}: only a tt server's limits are sized by a chip's DRAM (on "
+                         f"{args.backend} by this host's memory); drop --arch or pass --backend tt")
+    if args.rank_binding is not None:  # the binding's chips size the limits
+        from ..systems import rank_binding
+
+        chips = rank_binding(args.rank_binding).arch
+        if args.arch not in (None, chips):
+            raise UsageError(f"--arch {args.arch} contradicts --rank-binding {args.rank_binding} ({chips} chips); "
+                             f"pass --arch {chips} or leave it out")
+        args.arch = chips
     apply_plan(args, binding_mesh(args, "2x4"))
     check_serve(args)
     check_launch(args, [args.backend])
@@ -172,9 +192,13 @@ def add_limits(s: argparse.ArgumentParser) -> None:
                        ("width", "pixels of width"),
                        ("frame-pixels", "height x width"), ("prompt-bytes", "UTF-8 bytes of each prompt"),
                        ("prompt-tokens", "tokens of each prompt"), ("images", "conditioning images"),
-                       ("image-pixels", "pixels of each image")):
+                       ("image-pixels", "pixels of each image"),
+                       ("tokens", "DiT tokens (frames x height x width after the VAE and the patch)")):
         g.add_argument(f"--max-{flag}", type=positive_int, metavar="N", help=f"the most {what} a request may ask for")
     g.add_argument("--max-image-mb", type=positive_float, metavar="MB", help="the largest image file (default 10)")
+    g.add_argument("--arch", choices=list(ARCHS), default=None,
+                   help="with --backend tt: the chip whose DRAM sizes the request limits (default: the rank "
+                        f"binding's, else {TT_ARCH}, the smaller DRAM)")
     g.add_argument("--header-timeout", type=positive_float, metavar="S",
                    help="seconds a request head may take to arrive (default 10): then 408 and the connection closed")
     g.add_argument("--body-timeout", type=positive_float, metavar="S",

@@ -20,14 +20,16 @@ The rules, in the order they are applied (a rule never reassigns an op an earlie
    K/V gathers over SP, row-parallel all-reduces over TP, SP scatters).
 3. the norm's post-statistics math: forward from the statistics gather up to the multiply by the
    norm's 1-D weight, and the reshape that feeds the norm.
-4. RoPE: a multiply by a table broadcast over the heads (``(1, L, 1, Dh)`` against ``(1, L, H,
-   Dh)``), what feeds only RoPE ops backwards (casts, half-dim slices, negation, concat), and the
-   adds and scalar multiplies of RoPE values forwards, with the scatter or select (and its layout
-   changes) that diffusers' own interleaved RoPE lowers to.
+4. RoPE: the fused ``rotary_embedding``; a multiply by a table broadcast over the heads (``(1, L, 1,
+   Dh)`` against ``(1, L, H, Dh)``, or heads first ``(1, 1, L, Dh)`` against ``(1, H, L, Dh)``), what
+   feeds only RoPE ops backwards (casts, half-dim slices, negation, concat), and the adds and scalar
+   multiplies of RoPE values forwards, with the scatter or select (and its layout changes) that
+   diffusers' own interleaved RoPE lowers to.
 5. heads: permutes, unflattens to ``(..., H, Dh)`` or of a fused QKV, the unbind slices of it, and
-   the merge back to ``(L, H * Dh)``; SDPA: a decomposed SDPA's scale multiply and key-mask add.
+   the merge back to ``(L, H * Dh)`` (a reshape, or the fused ``concatenate_heads``); SDPA: a decomposed SDPA's scale multiply and key-mask add.
 6. adaLN: elementwise ops on ``(1, 1, D)``/``(1, 6, D)`` vectors (the table plus the time
-   embedding, ``1 + scale``), and the modulation of a normed activation by them.
+   embedding, ``1 + scale``), their reshapes to ``(D,)`` (a LayerNorm's weight and bias, the
+   ``adaln_norm`` patch), and the modulation of a normed activation by them.
 7. residuals: the gate multiply of a block output, its scalar multiplies, the big+big adds, and the
    casts feeding them.
 8. projections: reshapes next to a projection or a row-parallel all-reduce, and the bias add
@@ -117,8 +119,23 @@ def _rank4_heads(shape: tuple[int, ...]) -> bool:
 
 
 def _vector(shape: tuple[int, ...]) -> bool:
-    """A modulation vector: ``(1, 1, D)``, ``(1, 6, D)`` or ``(1, D)``: at most 6 rows of D."""
+    """A modulation vector: ``(1, 1, D)``, ``(1, 6, D)``, ``(1, D)`` or ``(D,)`` (a LayerNorm's weight or
+    bias made of one): at most 6 rows of D."""
+    if len(shape) == 1:
+        return shape[0] > 1
     return len(shape) >= 2 and shape[-1] > 1 and all(d == 1 for d in shape[:-2]) and shape[-2] <= 6
+
+
+def _table_broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """A rope table against q / k: 4-D, the same head dim, equal on the token dim and one of them 1 on
+    the heads dim (``(1, L, 1, Dh)`` x ``(1, L, H, Dh)``, or heads first ``(1, 1, L, Dh)`` x ``(1, H, L,
+    Dh)``)."""
+    if not (len(a) == len(b) >= 4 and a[-1] == b[-1]):
+        return False
+    for heads, tokens in ((-2, -3), (-3, -2)):
+        if a[tokens] == b[tokens] > 1 and a[heads] != b[heads] and 1 in (a[heads], b[heads]):
+            return True
+    return False
 
 
 def _scalar(shape: tuple[int, ...]) -> bool:
@@ -156,6 +173,8 @@ def classify(nodes: list[Node]) -> None:
             n.cause = "norms"
         elif n.name == "all_gather" and any(p is not None and p.name == "rms_norm_pre_all_gather" for p in n.producers):
             n.cause = "norms"
+        elif n.name == "rotary_embedding":
+            n.cause = "RoPE"
         elif n.name in ("scaled_dot_product_attention", "scaled_dot_product_attention_decode", "softmax", "transpose"):
             n.cause = "SDPA"
         elif n.name in ("linear", "matmul"):
@@ -176,9 +195,7 @@ def classify(nodes: list[Node]) -> None:
     # 4. RoPE: the table multiply, then backwards and forwards
     for n in nodes:
         if n.cause is None and n.name == "multiply" and len(n.operand_types) == 2:
-            a, b = n.arg_shape(0), n.arg_shape(1)
-            if len(a) == len(b) >= 4 and a[-1] == b[-1] and {a[-2], b[-2]} != {a[-2]} and 1 in (a[-2], b[-2]) \
-                    and a[-3] == b[-3] > 1:
+            if _table_broadcast(n.arg_shape(0), n.arg_shape(1)):
                 n.cause = "RoPE"
     changed = True
     while changed:
@@ -205,7 +222,7 @@ def classify(nodes: list[Node]) -> None:
         if n.cause:
             continue
         src = n.arg_shape(0)
-        if n.name == "permute" and len(n.out) >= 4:
+        if (n.name == "permute" and len(n.out) >= 4) or n.name in ("concatenate_heads", "nlp_create_qkv_heads"):
             n.cause = "heads"
         elif n.name == "reshape" and (_head_split(src, n.out) or _head_merge(src, n.out)):
             n.cause = "heads"
@@ -228,6 +245,11 @@ def classify(nodes: list[Node]) -> None:
         big = [p for p, t in zip(n.producers, n.operand_types) if _big(t.shape)]
         if vec and big and all(p is not None and (_from_norm(p) or p.cause == "adaLN") for p in big):
             n.cause = "adaLN"
+    for _ in range(2):  # (D,) vectors made of modulation ones: a LayerNorm's weight (1 + scale) or bias
+        for n in nodes:
+            if n.cause is None and len(n.out) == 1 and n.name in ("reshape", "typecast", "add", "multiply") and any(
+                    p is not None and p.cause == "adaLN" for p in n.producers):
+                n.cause = "adaLN"
     for n in reversed(nodes):
         if n.cause is None and n.name == "typecast" and n.consumers and all(c.cause == "adaLN" for c in n.consumers):
             n.cause = "adaLN"

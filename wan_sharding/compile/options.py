@@ -17,7 +17,7 @@ carries the C++ headers for Blackhole's multilib only, so on Wormhole the firmwa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 # Our field name -> the key tt-xla's plugin reads.
@@ -26,6 +26,14 @@ PLUGIN_KEYS = {
     "dram_space_saving": "experimental-enable-dram-space-saving-optimization",
     "enable_trace": "enable_trace",
 }
+# Opt-in options the plugin reads that hardware's Wan tests leave at their default (off); sent
+# only when on. ``enable_activation_dtype_lowering`` (tt-xla #5396; tt-mlir's TTNN
+# ``TTNNCCLActivationDtypeLowering``, #8701): a matmul -> collective -> add chain runs in bfp8.
+OPT_IN_KEYS = {"activation_dtype_lowering": "enable_activation_dtype_lowering"}
+# Opt-in options a plugin version does not parse: it fails the compile ("No such compile option").
+# jax-tt-plugin 0.1.3's tt-mlir has the bfp8 pass (``ttnn-ccl-activation-dtype-lowering``), but its
+# tt-xla does not take the option that turns it on (seen here, 2026-12-06).
+NOT_IN_PLUGIN = {"0.1.3": ("activation_dtype_lowering",)}
 LEVELS = (0, 1, 2)
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -55,16 +63,18 @@ def _defaults() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """The three options tt-xla's Wan tests set, with their defaults (hardware's)."""
+    """The three options tt-xla's Wan tests set, with their defaults (hardware's), and the opt-in
+    bfp8 collectives (:data:`OPT_IN_KEYS`, off as on hardware)."""
 
     optimization_level: int = 1
     dram_space_saving: bool = True
     enable_trace: bool = True
+    activation_dtype_lowering: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.optimization_level, bool) or self.optimization_level not in LEVELS:
             raise ValueError(f"optimization_level must be one of {LEVELS}, got {self.optimization_level!r}")
-        for name in ("dram_space_saving", "enable_trace"):
+        for name in ("dram_space_saving", "enable_trace", "activation_dtype_lowering"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -98,26 +108,42 @@ class CompileOptions:
                     items[key.strip()] = value.strip()
         else:
             items = dict(text)
-        by_key = {**{k: k for k in PLUGIN_KEYS}, **{v: k for k, v in PLUGIN_KEYS.items()},
+        keys = {**PLUGIN_KEYS, **OPT_IN_KEYS}
+        by_key = {**{k: k for k in keys}, **{v: k for k, v in keys.items()},
                   "experimental_enable_dram_space_saving_optimization": "dram_space_saving"}
         for key, value in items.items():
             if key not in by_key:
-                raise ValueError(f"unknown compile option {key!r}; known: {', '.join(PLUGIN_KEYS.values())}")
+                raise ValueError(f"unknown compile option {key!r}; known: {', '.join(keys.values())}")
             name = by_key[key]
             values[name] = _level(value) if name == "optimization_level" else _bool(name, value)
         return cls(**values)
 
     def plugin_options(self) -> dict[str, str]:
-        """The options as the plugin's compile-option strings."""
-        return {PLUGIN_KEYS[f.name]: _str(getattr(self, f.name)) for f in fields(self)}
+        """The options as the plugin's compile-option strings (an opt-in one only when on)."""
+        out = {PLUGIN_KEYS[f.name]: _str(getattr(self, f.name)) for f in fields(self) if f.name in PLUGIN_KEYS}
+        out.update({key: "true" for name, key in OPT_IN_KEYS.items() if getattr(self, name)})
+        return out
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field, an opt-in one only when on."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in OPT_IN_KEYS or getattr(self, f.name)}
 
     def differs_from(self, other: "CompileOptions") -> list[str]:
         """Plugin keys whose value here is not ``other``'s, as ``key=ours (other's)``."""
-        return [f"{PLUGIN_KEYS[f.name]}={_str(getattr(self, f.name))} (hardware: {_str(getattr(other, f.name))})"
+        keys = {**PLUGIN_KEYS, **OPT_IN_KEYS}
+        return [f"{keys[f.name]}={_str(getattr(self, f.name))} (hardware: {_str(getattr(other, f.name))})"
                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def check_plugin_support(options: CompileOptions, plugin_version: str | None) -> None:
+    """ValueError (one line) when ``options`` turn on an opt-in option the installed plugin does not
+    parse (:data:`NOT_IN_PLUGIN`), before any worker starts."""
+    for name in NOT_IN_PLUGIN.get(plugin_version or "", ()):
+        if getattr(options, name):
+            raise ValueError(f"compile option {OPT_IN_KEYS[name]} is not one jax-tt-plugin {plugin_version} parses (its "
+                             "tt-mlir has the pass, its tt-xla not the option: 'No such compile option'); leave it out, "
+                             "or install a plugin that takes it")
 
 
 def effective_options(requested: CompileOptions, arch: str,
@@ -128,7 +154,7 @@ def effective_options(requested: CompileOptions, arch: str,
         why = (f"optimization level >= 1 runs tt-metal's mock device, which has no {num_chips}-chip configuration "
                f"(only {', '.join(map(str, MOCK_DEVICE_CHIPS))} chips); compiled at optimization_level=0")
     if why and requested.optimization_level >= 1:
-        return CompileOptions(0, requested.dram_space_saving, requested.enable_trace), why
+        return replace(requested, optimization_level=0), why
     return requested, None
 
 
@@ -144,7 +170,7 @@ def _bool(name: str, value: Any) -> bool:
         return True
     if s in _FALSE:
         return False
-    raise ValueError(f"compile option {PLUGIN_KEYS[name]} must be true or false, got {value!r}")
+    raise ValueError(f"compile option {({**PLUGIN_KEYS, **OPT_IN_KEYS})[name]} must be true or false, got {value!r}")
 
 
 def _level(value: Any) -> int:

@@ -32,6 +32,7 @@ __all__ = [
     "check_chip_count",
     "inter_galaxy_channels",
     "default_grid",
+    "worker_grid",
     "expected_schema_hash",
     "installed_plugin_version",
     "known_schema_hashes",
@@ -87,6 +88,25 @@ def _chip(arch: str) -> dict[str, Any]:
     if arch not in chips:
         raise ValueError(f"unknown Tenstorrent arch {arch!r}; known: {', '.join(chips)}")
     return chips[arch]
+
+
+def worker_grid(arch: str, num_chips: int) -> tuple[int, int]:
+    """The (y, x) compute-with-storage grid a descriptor of ``num_chips`` ``arch`` chips gives each chip.
+
+    At optimization level >= 1 tt-mlir's op model opens tt-metal's mock board for the descriptor's
+    chip count and refuses a descriptor whose grid differs from that board's. The boards differ:
+    a Blackhole p150 of the 1-, 2- and 4-chip boards has two of its 14 Tensix columns harvested, of
+    the 8-chip and Galaxy boards one, and the command-queue dispatch takes one more column (10x11
+    vs 10x12; docs/hardware-facts.md, "The worker grid"). ``grid_size_by_chips`` in ``chips.json``
+    holds the counts that differ from ``grid_size``."""
+    chip = _chip(arch)
+    grid = chip.get("grid_size_by_chips", {}).get(str(num_chips), chip["grid_size"])
+    return int(grid["y"]), int(grid["x"])
+
+
+def _chip_for(arch: str, num_chips: int) -> dict[str, Any]:
+    y, x = worker_grid(arch, num_chips)
+    return {**_chip(arch), "grid_size": {"y": y, "x": x}}
 
 
 def known_schema_hashes() -> dict[str, str]:
@@ -259,9 +279,9 @@ def build_system_descriptor(
     Returns:
         The size-prefixed FlatBuffers bytes, file identifier ``TTSY``.
     """
-    chip = _chip(arch)
     if num_chips < 1:
         raise ValueError(f"num_chips must be >= 1, got {num_chips}")
+    chip = _chip_for(arch, num_chips)
     grid = tuple(grid) if grid is not None else default_grid(num_chips)
     if len(grid) != 2 or grid[0] * grid[1] != num_chips or min(grid) < 1:
         raise ValueError(f"grid {grid} does not hold exactly {num_chips} chips")

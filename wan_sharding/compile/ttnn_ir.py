@@ -65,7 +65,8 @@ _FUNC = re.compile(r"func\.func (?:\w+ )?@([\w.$-]+)")
 _SIGNATURE = re.compile(r"func\.func (?:\w+ )?@([\w.$-]+)\((.*?)\)\s*(?:->|attributes|\{)", re.S)
 _ARG_TYPE = re.compile(r"ttcore\.argument_type = #ttcore\.argument_type<(\w+)>")
 _RESULT = re.compile(r"^\s*(%[\w]+)(?::\d+)?\s*=")
-_OPERANDS = re.compile(r'"ttnn\.\w+"\(([^)]*)\)')
+_OPERANDS = re.compile(r'"(?:ttnn|ttir)\.\w+"\(([^)]*)\)')
+_TTIR_OP = re.compile(r'"ttir\.(\w+)"\(')
 _VALUE = re.compile(r"%\w+")
 # Attributes that name the tensor dim a collective gathers, scatters or partitions.
 _DIM_ATTRS = ("all_gather_dim", "scatter_dim", "dim", "split_dim")
@@ -175,6 +176,20 @@ def ttir_attention(text: str) -> list[Op]:
     matmul)."""
     return [_typed_op("scaled_dot_product_attention", line, lineno)
             for lineno, line in enumerate(text.splitlines(), 1) if _TTIR_SDPA.search(line)]
+
+
+def ttir_ops(text: str) -> list[Op]:
+    """Every op of a TTIR module, in text order, with its types, integer attributes, the SSA value it
+    defines and the values it reads (within its ``func.func``, ``function``)."""
+    out, function = [], ""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        f = _FUNC.search(line)
+        if f:
+            function = f.group(1)
+        m = _TTIR_OP.search(line)
+        if m:
+            out.append(_typed_op(m.group(1), line, lineno, function=function))
+    return out
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,10 @@ from ..vae.layout import frame_values, plan_frame, widest_scale
 from .request import CompileError
 
 PIXELS = VIDEO_PIXELS  # the resolutions a compile takes (models.py's one table)
-# The decode steps a compile can take, by the index of the latent frame whose program it is:
-# the first (no cache yet) and the third (a full cache: the program every later frame reuses).
-STEPS = {"first": 0, "steady": 2}
-# The collective kinds of a TTNN module (``ttnn_ir.Collective.kind``) that a halo exchange may use.
-HALO_KINDS = ("all_gather", "point_to_point")
+# The decode steps a compile can take, by the index of the latent frame whose program it is: the
+# first (no cache yet), the second (a cache of one frame) and the third (a full cache: the program
+# every later frame reuses). A decode of three latent frames or more runs all three.
+STEPS = {"first": 0, "second": 1, "steady": 2}
 # Kinds the parser lists beside the collectives that move nothing between chips: ``mesh_partition``
 # keeps each chip's own piece of a replicated tensor (a local slice).
 LOCAL_KINDS = ("mesh_partition",)
@@ -107,22 +106,68 @@ def _decoder_only(vae: Any) -> Any:
     return vae
 
 
+def _dims(tensor: str) -> list[int]:
+    """The shape of a collective table's tensor type (``"1152x1x32x4x2xbf16"`` -> ``[1152, 1, 32, 4, 2]``)."""
+    return [int(d) for d in tensor.split("x")[:-1]]
+
+
+def _halo_axis_size(c: dict[str, Any]) -> int | None:
+    """For a halo collective, how many shards its gather collects: the gathered dim's length in the
+    result over the payload's, where each chip contributes one shard's block of boundary rows (the
+    ``(lead, nh, rows, nw, cols)`` view of ``vae/halo.py``: a 1 on the shard dim). 1 for a
+    point-to-point transfer (neighbour-only by nature); ``None``: not a halo (the mid-block
+    attention's frame gather contributes a whole shard of the frame, not a block of rows)."""
+    if c["kind"] == "point_to_point":
+        return 1
+    if c["kind"] != "all_gather":
+        return None
+    payload, result = _dims(c["payload"]), _dims(c["result"])
+    grown = [(p, r) for p, r in zip(payload, result) if p != r] if len(payload) == len(result) else []
+    return grown[0][1] if len(grown) == 1 and grown[0][0] == 1 else None
+
+
+def halo_traffic(collectives: list[dict[str, Any]]) -> dict[str, Any]:
+    """The halo of one compiled step against the neighbour-only minimum, per chip: ``halo_bytes``,
+    what the halo all-gathers hand each chip (every shard's boundary rows on the axis: the gathered
+    result); ``halo_neighbour_bytes``, what the chip needs of them (the rows of its two neighbours:
+    one shard's worth of boundary rows, the gather's payload); ``halo_ratio``, the one over the
+    other (the axis length, averaged over the step's bytes: 2 and 4 on 2x4, 4 and 8 on 8x4)."""
+    halos = [(c, n) for c in collectives for n in [_halo_axis_size(c)] if n is not None]
+    moved = sum(c["bytes"] * c["count"] for c, _ in halos)
+    needed = sum(c["bytes"] * c["count"] // n for c, n in halos)
+    return {"halo_bytes": moved, "halo_neighbour_bytes": needed, "halo_collectives": sum(c["count"] for c, _ in halos),
+            "halo_ratio": round(moved / needed, 2) if needed else None}
+
+
 def vae_bill(collectives: list[dict[str, Any]], limit: int) -> dict[str, Any]:
-    """The bill of one decode step: the largest collective, the halo bytes (every collective below
-    the frame limit of a halo kind), and whether it holds (nothing above ``limit`` bytes). Local
-    ops (``LOCAL_KINDS``) are counted apart and move nothing."""
+    """The bill of one decode step: the largest collective, the halo (:func:`halo_traffic`), and
+    whether it holds (nothing above ``limit`` bytes). Local ops (``LOCAL_KINDS``) are counted apart
+    and move nothing."""
     local = sum(c["count"] for c in collectives if c["kind"] in LOCAL_KINDS)
     collectives = [c for c in collectives if c["kind"] not in LOCAL_KINDS]
     largest = max((c["bytes"] for c in collectives), default=0)
-    halos = [c for c in collectives if c["kind"] in HALO_KINDS and c["bytes"] < limit]
     problems = [f"{c['kind']} of {c['bytes']} bytes ({c['result']}) moves more than one latent frame ({limit} bytes)"
                 for c in collectives if c["bytes"] > limit]
-    return {"largest_collective_bytes": largest, "frame_limit_bytes": limit,
-            "halo_bytes": sum(c["bytes"] * c["count"] for c in halos),
-            "halo_collectives": sum(c["count"] for c in halos),
+    return {"largest_collective_bytes": largest, "frame_limit_bytes": limit, **halo_traffic(collectives),
             "collective_bytes": sum(c["bytes"] * c["count"] for c in collectives),
             "collective_count": sum(c["count"] for c in collectives), "local_slices": local,
             "bill_ok": not problems, "bill_problems": problems}
+
+
+def refusal(error: str | None, limit: int = 300) -> str:
+    """tt-mlir's refusal in one line of at most about ``limit`` characters: its last line, whole
+    clauses (``; ``-separated) while they fit, never cut inside a word; the rest is in the report."""
+    lines = [line.strip() for line in (error or "").strip().splitlines() if line.strip()]
+    clauses = (lines[-1] if lines else "no error text").split("; ")
+    kept = [clauses[0]]
+    for clause in clauses[1:]:
+        if len("; ".join([*kept, clause])) > limit:
+            break
+        kept.append(clause)
+    if len(kept[0]) > limit:  # one long clause: cut at the last space that fits
+        kept = [kept[0][:limit].rsplit(" ", 1)[0]]
+    more = len(clauses) - len(kept)
+    return "; ".join(kept) + (f" (and {more} more in the report)" if more else "")
 
 
 # ---- parent side --------------------------------------------------------------------------------

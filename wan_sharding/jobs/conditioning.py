@@ -23,11 +23,11 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .requests import RequestLimits, UsageError, read_json_file
+from .requests import RequestLimits, UsageError, read_json_file, video_factors, video_tokens
 
 MAX_IMAGE_BYTES = 10 * 1024 * 1024
 MAX_IMAGE_PIXELS = 1 << 25  # 32 Mi pixels (e.g. 8192x4096): bounds the decoded size (~100 MB RGB)
@@ -119,15 +119,27 @@ def image_format(data: bytes) -> str | None:
     return None
 
 
-def default_limits(variant: str, model: str | None) -> RequestLimits:
+def default_limits(variant: str, model: str | None, tokens: int | None = None) -> RequestLimits:
     """The limits of a pipeline: ``variant``'s tiny one, or the checkpoint at ``model`` (its
-    ``model_index.json`` says which Wan 2.2 variant it is)."""
+    ``model_index.json`` says which Wan 2.2 variant it is). With ``tokens`` (the most flat DiT
+    tokens one request may have on the serve mesh: :func:`wan_sharding.planner.serving.max_request_tokens`)
+    each of frames, height, width and frame pixels is also at most what fits with the others at
+    their least (one latent frame, one patch of height or width), and their product, in tokens, at
+    most ``tokens``."""
     rules = conditioning(variant, model)
     images = (1 + rules.last_image) if rules.takes_image else 0
     frames = 121 if rules.variant == "ti2v-5b" else 81
-    if model is None:
-        return RequestLimits(frames=frames, height=256, width=256, frame_pixels=256 * 256, images=images)
-    return RequestLimits(frames=frames, images=images)
+    base = (RequestLimits(frames=frames, height=256, width=256, frame_pixels=256 * 256, images=images) if model is None
+            else RequestLimits(frames=frames, images=images))
+    if tokens is None:
+        return base
+    temporal, multiple = video_factors(variant, model)
+    tokens = min(tokens, video_tokens(base.frames, base.frame_pixels // multiple, multiple, (temporal, multiple)))
+    if tokens < 1:  # not even one token fits: left to the token limit, which then refuses every request
+        return replace(base, tokens=0)
+    return replace(base, frames=min(base.frames, temporal * (tokens - 1) + 1), height=min(base.height, tokens * multiple),
+                   width=min(base.width, tokens * multiple),
+                   frame_pixels=min(base.frame_pixels, tokens * multiple * multiple), tokens=tokens)
 
 
 def image_from_base64(text: str, field: str, max_bytes: int = MAX_IMAGE_BYTES,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["PATCH", "RequestLimits", "UsageError", "check_counts", "check_limits", "check_text", "check_video",
-           "check_video_format", "positive_int", "read_json_file", "video_factors"]
+           "check_video_format", "positive_int", "read_json_file", "video_factors", "video_tokens"]
 
 
 class UsageError(ValueError):
@@ -57,6 +57,13 @@ def video_factors(variant: str, model: str | None) -> tuple[int, int]:
            or read_json_file(root / "transformer_2" / "config.json", required=False) or {})
     patch = dit.get("patch_size") or PATCH
     return int(vae.get("scale_factor_temporal") or 4), max(16, int(vae.get("scale_factor_spatial") or 8) * int(patch[1]))
+
+
+def video_tokens(frames_: int, height: int, width: int, factors: tuple[int, int]) -> int:
+    """The DiT's flat token count for a video: latent frames ((frames - 1) / temporal factor + 1)
+    times the height and width over ``factors[1]`` (the VAE's spatial factor times the patch)."""
+    temporal, multiple = factors
+    return ((frames_ - 1) // temporal + 1) * (height // multiple) * (width // multiple)
 
 
 def check_video(frames_: int | None, height: int | None, width: int | None, variant: str, model: str | None,
@@ -137,6 +144,7 @@ class RequestLimits:
     images: int = 2
     image_bytes: int = 10 * 1024 * 1024
     image_pixels: int = 1 << 25
+    tokens: int = 1 << 24  # the DiT's flat tokens (frames x height x width after the VAE and the patch)
 
     def body_bytes(self, images: int) -> int:
         """The most bytes a request body with ``images`` base64 images may take."""
@@ -173,11 +181,12 @@ def _shown(value: Any) -> str:
 
 
 def check_limits(req: dict[str, Any], limits: RequestLimits, names: dict[str, str] | None = None,
-                 count_tokens: Any = None) -> None:
+                 count_tokens: Any = None, factors: tuple[int, int] | None = None) -> None:
     """A request (``prompt``, ``negative_prompt``, ``num_inference_steps``, ``num_frames``,
     ``height``, ``width``, ``seed``, ``guidance_scale``; ``None``: not given) within ``limits``:
     UsageError naming the field, the limit and the flag that sets it. ``names``: what the
-    messages call the fields (the command line's flags)."""
+    messages call the fields (the command line's flags); ``factors``: the pipeline's
+    :func:`video_factors`, for the token limit (frames, height and width all given)."""
     names = names or {}
     name = lambda key: names.get(key, key)  # noqa: E731
     for key in ("prompt", "negative_prompt"):
@@ -193,6 +202,11 @@ def check_limits(req: dict[str, Any], limits: RequestLimits, names: dict[str, st
     if h is not None and w is not None and h * w > limits.frame_pixels:
         raise UsageError(f"{name('height')} x {name('width')} {h}x{w}: over {limits.frame_pixels:,} pixels a frame for "
                          f"this pipeline (serve: --max-frame-pixels); send a smaller size")
+    f = req.get("num_frames")
+    if factors is not None and None not in (f, h, w) and video_tokens(f, h, w, factors) > limits.tokens:
+        raise UsageError(f"{name('num_frames')} x {name('height')} x {name('width')} {f}x{h}x{w}: "
+                         f"{video_tokens(f, h, w, factors):,} tokens is over the {limits.tokens:,} one request may "
+                         f"have on this server's mesh (serve: --max-tokens); send fewer frames or a smaller size")
     seed = req.get("seed")
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise UsageError(f"{name('seed')} {_shown(seed)}: must be 0 to 2^63-1; send a smaller seed")

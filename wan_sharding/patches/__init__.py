@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..hooks import has_sp
-from . import adaln_bf16, ffn_rows, patchify, prompt_kv, qkv, rope, rope_tables
+from . import adaln_bf16, adaln_norm, ffn_rows, patchify, prompt_kv, qkv, rope, rope_tables
 from .base import Patch, PatchContext, PatchError
 
 # name -> patch, in the order ``apply_patches`` applies them (``rope`` before ``qkv`` fuses its
@@ -40,7 +40,7 @@ from .base import Patch, PatchContext, PatchError
 # projections the processor has)
 PATCHES: dict[str, Patch] = {
     p.name: p for p in (patchify.PATCH, rope.PATCH, qkv.PATCH, rope_tables.PATCH, prompt_kv.PATCH, ffn_rows.PATCH,
-                        adaln_bf16.PATCH)
+                        adaln_norm.PATCH, adaln_bf16.PATCH)
 }
 EXACT_PATCHES: tuple[str, ...] = tuple(n for n, p in PATCHES.items() if p.exact)
 EXACT = "exact"  # the name that selects every exact patch (apply_patches, --patches)
@@ -145,8 +145,12 @@ def check_patches(dit: torch.nn.Module, names: Sequence[str] | str, *, mesh: Any
 
 
 def _checked(dit: torch.nn.Module, names: Sequence[str] | str, mesh: Any) -> tuple[list[str], PatchContext]:
-    """The patch names in application order and their context, once every check passed."""
+    """The patch names in application order and their context, once every check passed. Every exact
+    patch asked for (``exact``, or all of them named) means those that suit the model: one that does
+    not apply to this kind of model (``Patch.suits``: ``adaln_norm`` on TI2V-5B) is left out."""
     names = patch_names(names)
+    if set(EXACT_PATCHES) <= set(names):
+        names = [n for n in names if not (n in EXACT_PATCHES and PATCHES[n].suits(dit) is not None)]
     unknown = [n for n in names if n not in PATCHES]
     if unknown:
         raise PatchError(f"unknown patch {unknown[0]!r}; choose from {', '.join(PATCHES)} (or {EXACT!r} for every "

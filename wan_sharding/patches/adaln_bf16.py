@@ -8,7 +8,8 @@ bytes per element on the largest tensors of the block for values that are rounde
 after. tt-xla measured the bf16 form at 1445 -> 1345 ms for one A14B block at 480p on 4 Blackhole
 chips (``docs/hardware-facts.md``).
 
-The rewrite gives each block (an instance attribute; the class is untouched) a forward that:
+The rewrite gives each block (an instance attribute, :class:`~wan_sharding.patches.block.PatchedBlockForward`,
+shared with ``adaln_norm``; the class is untouched) a forward that:
 sums ``scale_shift_table + temb`` in float32 as before and casts the six modulation vectors to the
 model dtype once; keeps the LayerNorms in float32 (``FP32LayerNorm``) and casts their output to the
 model dtype; then does the modulation and the gated residual adds in the model dtype. The
@@ -38,34 +39,10 @@ from ``shard_dit_specs`` (no parameter changes).
 
 from __future__ import annotations
 
-import types
-
 import torch
 
-from .base import Patch, PatchContext, PatchError, Undo, blocks_of, instance_override, wan_classes
-
-
-def bf16_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                       temb: torch.Tensor, rotary_emb) -> torch.Tensor:
-    """A Wan block with the adaLN modulation in ``hidden_states``' dtype (see the module docstring)."""
-    dtype = hidden_states.dtype
-    if temb.ndim == 4:  # (B, L, 6, D): Wan 2.2 TI2V's per-token timesteps
-        mod = (self.scale_shift_table.unsqueeze(0) + temb.float()).to(dtype)
-        shift, scale, gate, c_shift, c_scale, c_gate = (m.squeeze(2) for m in mod.chunk(6, dim=2))
-    else:  # (B, 6, D)
-        mod = (self.scale_shift_table + temb.float()).to(dtype)
-        shift, scale, gate, c_shift, c_scale, c_gate = mod.chunk(6, dim=1)
-
-    normed = self.norm1(hidden_states.float()).to(dtype)
-    attn_out = self.attn1(normed * (1 + scale) + shift, None, None, rotary_emb)
-    hidden_states = hidden_states + attn_out * gate
-
-    normed = self.norm2(hidden_states.float()).to(dtype)
-    hidden_states = hidden_states + self.attn2(normed, encoder_hidden_states, None, None)
-
-    normed = self.norm3(hidden_states.float()).to(dtype)
-    ff_out = self.ffn(normed * (1 + c_scale) + c_shift)
-    return hidden_states + ff_out * c_gate
+from .base import Patch, PatchContext, Undo
+from .block import check_blocks, switch_blocks
 
 
 class AdalnBf16Patch(Patch):
@@ -77,22 +54,10 @@ class AdalnBf16Patch(Patch):
     summary = "adaLN modulation and gated residual adds in the model dtype (LayerNorms stay float32)"
 
     def check(self, dit: torch.nn.Module, ctx: PatchContext) -> None:
-        block_cls = wan_classes().WanTransformerBlock
-        for i, block in enumerate(blocks_of(dit)):
-            if type(block) is not block_cls or instance_override(block) is not None:
-                raise PatchError(f"patch 'adaln_bf16' needs stock WanTransformerBlocks; blocks.{i} is a "
-                                 f"{type(block).__name__} or has its forward replaced; remove that first")
+        check_blocks(dit, self.name)
 
     def apply(self, dit: torch.nn.Module, ctx: PatchContext) -> Undo:
-        blocks = blocks_of(dit)
-        for block in blocks:
-            block.forward = types.MethodType(bf16_block_forward, block)
-
-        def undo() -> None:
-            for block in blocks:
-                del block.forward
-
-        return undo
+        return switch_blocks(dit, "model_dtype")
 
 
 PATCH = AdalnBf16Patch()

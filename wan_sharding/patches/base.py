@@ -52,6 +52,11 @@ class Patch:
     precedes: tuple[str, ...] = ()
     summary: str = ""
 
+    def suits(self, dit: torch.nn.Module) -> str | None:
+        """Why this patch does not apply to this kind of model at all (None: it does). ``exact``
+        leaves such a patch out; named on its own it is refused with this reason."""
+        return None
+
     def check(self, dit: torch.nn.Module, ctx: PatchContext) -> None:
         """Raise PatchError if the patch does not fit this model; must change nothing."""
 

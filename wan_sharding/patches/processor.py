@@ -3,9 +3,9 @@
 It computes what diffusers' ``WanAttnProcessor`` computes (projections, RMSNorm across heads,
 rotary, SDPA, output projection), with three switches the patches set on one module's processor:
 
-- ``half_rotary``: rotary as ``x * cos + swap_halves(x) * sin`` (the sign folded into the sin
-  table) on q / k whose channels are laid out in halves (the ``rope`` patch permutes the weights
-  to match); otherwise diffusers' interleaved-pair form.
+- ``half_rotary``: rotary as ``x * cos + rotate_half(x) * sin`` on heads-first q / k whose
+  channels are laid out in halves (the ``rope`` patch permutes the weights to match), the form
+  tt-mlir fuses into ``ttnn.rotary_embedding``; otherwise diffusers' interleaved-pair form.
 - ``qkv_groups``: the projections come from one fused Linear (``to_qkv`` for self-attention,
   ``to_kv`` for cross-attention) whose rows are interleaved per TP shard (the ``qkv`` patch).
 - ``prompt_key``: a cross-attention that may be handed its K / V ready-made, computed once per
@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 
-def swap_halves(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [x2, x1]`` on the last dim (its two halves)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x2, x1), dim=-1)
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last dim (its two halves): the NeoX rotation, written as
+    tt-mlir's RoPE fusion matches it (two plain slices, a negation of the second, a concat)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def widen(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -43,14 +44,23 @@ def widen(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 def half_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary on a head dim laid out in halves (first elements of all pairs, then the second
-    elements), with ``cos`` / ``sin`` tables laid out the same way and the rotation's sign folded
-    into ``sin`` (``[-s | s]``, :func:`~wan_sharding.patches.rope.half_rope_forward`):
-    ``x * cos + swap_halves(x) * sin``, with ``x`` cast once (:func:`widen`), where
-    ``x * cos + rotate_half(x) * sin`` cast it once per product and negated half of it. The values
-    are the interleaved form's, permuted, bit for bit: casting bf16 up is exact, before or after
-    the swap, and ``a + b * (-s)`` is ``a - b * s`` in IEEE arithmetic."""
+    elements), with ``cos`` / ``sin`` tables laid out the same way
+    (:func:`~wan_sharding.patches.rope.half_rope_forward`): ``x * cos + rotate_half(x) * sin``, with
+    ``x`` cast once (:func:`widen`). Heads-first ``x`` ``(B, H, S, D)`` with ``(1, 1, S, D)`` tables is
+    the form tt-mlir fuses. The values are the interleaved form's, permuted, bit for bit: casting
+    bf16 up is exact, before or after the slices, ``a + (-b) * s`` is ``a - b * s`` and ``b * c + a *
+    s`` is ``a * s + b * c`` in IEEE arithmetic."""
     wide = widen(x, cos)
-    return (wide * cos + swap_halves(wide) * sin).type_as(x)
+    return (wide * cos + rotate_half(wide) * sin).type_as(x)
+
+
+def heads_first_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`half_rotary` of token-major ``(B, L, H, D)`` q / k with ``(1, L, 1, D)`` tables, run heads
+    first (q / k ``(B, H, L, D)``, tables ``(1, 1, L, D)``) and handed back token-major. The transposes
+    back meet the attention dispatch's own heads-first permute, which the compiler cancels."""
+    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+    return tuple(half_rotary(t.transpose(1, 2), cos, sin).transpose(1, 2) for t in (query, key))
 
 
 def interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -154,9 +164,10 @@ class PatchedAttnProcessor:
             query, key, value = self.projections(attn, hidden_states, encoder_hidden_states)
             query, key = attn.norm_q(query), attn.norm_k(key)
             query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
-        if rotary_emb is not None:
-            rotary = half_rotary if self.half_rotary else interleaved_rotary
-            query, key = rotary(query, *rotary_emb), rotary(key, *rotary_emb)
+        if rotary_emb is not None and self.half_rotary:
+            query, key = heads_first_rotary(query, key, *rotary_emb)
+        elif rotary_emb is not None:
+            query, key = interleaved_rotary(query, *rotary_emb), interleaved_rotary(key, *rotary_emb)
         if keep is not None:  # the slice padding mode: padded keys never reach SDPA
             key, value = key[:, :keep], value[:, :keep]
         out = dispatch_attention_fn(

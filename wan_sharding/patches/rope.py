@@ -1,10 +1,14 @@
-"""``rope``: half-rotation RoPE, with no strided write in the graph. Exact.
+"""``rope``: half-rotation RoPE in the form tt-mlir fuses, with no strided write in the graph. Exact.
 
 diffusers rotates interleaved channel pairs ``(0, 1), (2, 3), ...`` of each head and writes the two
 results back with ``out[..., 0::2] = ...; out[..., 1::2] = ...``. torch-xla lowers that strided write
 to a scatter with large per-element index constants (``rows_scatter`` on Tenstorrent); tt-xla
 measured the half-rotation form at 1255 -> 1031 ms for one A14B block at 480p on 4 Blackhole chips
-(with a channels-last patchify; ``docs/hardware-facts.md``).
+(with a channels-last patchify; ``docs/hardware-facts.md``). tt-mlir's RoPE fusion
+(``RoPEFusingPattern``) turns the rotate-half form ``x * cos + concat(-x[..., D/2:], x[..., :D/2]) *
+sin`` on heads-first ``(B, H, S, D)`` q / k with ``(1, 1, S, D)`` tables into one
+``ttnn.rotary_embedding`` at optimization level >= 1 (``docs/tt-mlir-notes.md``); this patch emits
+exactly that form.
 
 The rewrite, on one model instance:
 
@@ -15,28 +19,32 @@ The rewrite, on one model instance:
   statistic does not depend on the channel order, and its weight permuted the same way keeps it
   exact. Heads stay contiguous, so the head-aligned colwise TP split is unchanged;
 - the ``rope`` module's forward (an instance attribute, the class is untouched) builds its cos / sin
-  tables in the same half layout, from the same buffer values (the first of each pair of cos and
-  the second of sin, as diffusers reads them), with reshapes, plain slices, expands and
-  concatenations only (no strided slice: torchax lowers those to gathers), and the rotation's
-  sign folded into the sin table (``[-sin | sin]``, negated once per forward, or never with
-  ``rope_tables``);
+  tables in the same half layout, ``(1, L, 1, head_dim)`` as diffusers' (the SP hook splits their
+  token dim), from the same buffer values (the first of each pair of cos and the second of sin,
+  as diffusers reads them), with reshapes, plain slices, expands and concatenations only (no
+  strided slice: torchax lowers those to gathers);
 - every ``attn1`` gets a per-instance :class:`~wan_sharding.patches.processor.PatchedAttnProcessor`
-  that applies rotary as ``x * cos + swap_halves(x) * sin``, casting q / k once to the tables'
-  dtype. Per block that is 2 ops fewer for q and k each than ``x * cos + rotate_half(x) * sin``
-  (a second cast of the rotated half, and its negation).
+  that lays q / k and the tables out heads first (``(B, H, L, D)``, tables ``(1, 1, L, D)``), casts
+  q / k once to the tables' dtype, applies ``x * cos + rotate_half(x) * sin`` and hands q / k back
+  token-major to diffusers' attention dispatch (whose own heads-first permute then cancels the
+  one back: the compiler folds the pair).
 
 Why exact: the rotated q and k are the vanilla ones with the same permutation of each head's
-channels (bit for bit: ``a + b(-s) == a - bs``, and a bf16 value cast up before or after the
-swap is the same value), and ``q . k`` over a head does not depend on the
-channel order; ``v`` is untouched. Only summation order changes (RMSNorm's mean, the q.k dot
-products): fp32 max-abs 1.3e-7 to 4.8e-7 against vanilla on the tiny t2v-a14b and ti2v-5b models,
-latents (1, 32, 32) and (3, 10, 14) (``tests/test_patches.py`` bounds it at 1e-5).
+channels (bit for bit: the first half is ``x1 * c + (-x2) * s == x1 * c - x2 * s``, the second
+``x2 * c + x1 * s``, the vanilla sum in the other order, and a bf16 value cast up before or after
+the slices is the same value), and ``q . k`` over a head does not depend on the channel order (a
+permutation applied to both q and k leaves every score unchanged); ``v`` is untouched. Only
+summation order changes (RMSNorm's mean, the q.k dot products): fp32 max-abs 1.3e-7 to 4.8e-7
+against vanilla on the tiny t2v-a14b and ti2v-5b models, latents (1, 32, 32) and (3, 10, 14)
+(``tests/test_patches.py`` bounds it at 1e-5).
 
 Composition: apply before ``qkv`` (the fused weights then carry the half layout) and before
 ``rope_tables`` (its tables are the layout of the forward it caches); ``apply_patches`` orders one
 call's names itself. Apply before sequence parallelism: the SP padding processors wrap this
-processor (``mask`` passes its key mask through, ``slice`` calls the processor's own ``attend``);
-on a model that already has SP hooks it raises PatchError. ``shard_dit_specs``: no new parameter.
+processor (``mask`` passes its key mask through, ``slice`` calls the processor's own ``attend``,
+which cuts K / V after the rotary); the SP hook on ``rope`` splits the tables' token dim before the
+processor moves it; on a model that already has SP hooks it raises PatchError.
+``shard_dit_specs``: no new parameter.
 """
 
 from __future__ import annotations
@@ -64,15 +72,15 @@ def _head_permutation(heads: int, head_dim: int, inverse: bool = False) -> torch
 def half_rope_forward(rope: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``WanRotaryPosEmbed``'s cos / sin tables, (1, L, 1, head_dim) each, in the half layout:
     ``[angles of all pairs | the same again]``, pairs in the vanilla order (frames, height, width
-    segments), with the rotation's sign folded into sin: ``[-sin | sin]`` (so the rotary is
-    ``x * cos + swap_halves(x) * sin``, no negation per block). Reads only the module's attributes
-    and buffers, so it also runs on a CPU twin (``rope_tables``)."""
+    segments), so that the rotary is the rotate-half form tt-mlir fuses (the rotation's sign in the
+    rotated half, not in the table). Reads only the module's attributes and buffers, so it also
+    runs on a CPU twin (``rope_tables``)."""
     _, _, frames, height, width = hidden_states.shape
     pt, ph, pw = rope.patch_size
     grid = (frames // pt, height // ph, width // pw)
     sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
     out = []
-    for buf, offset, sign in ((rope.freqs_cos, 0, 1), (rope.freqs_sin, 1, -1)):
+    for buf, offset in ((rope.freqs_cos, 0), (rope.freqs_sin, 1)):
         parts = []
         for axis, seg in enumerate(buf.split(sizes, dim=1)):
             # one value per pair (the table repeats each); a reshape and a plain slice, where a
@@ -82,8 +90,7 @@ def half_rope_forward(rope: torch.nn.Module, hidden_states: torch.Tensor) -> tup
             shape[axis] = grid[axis]
             parts.append(angles.reshape(shape).expand(*grid, -1))
         half = torch.cat(parts, dim=-1)  # (F', H', W', head_dim / 2)
-        first = half if sign > 0 else -half  # the rotation's sign, in the table: [-sin | sin]
-        out.append(torch.cat([first, half], dim=-1).reshape(1, -1, 1, 2 * half.shape[-1]))
+        out.append(torch.cat([half, half], dim=-1).reshape(1, -1, 1, 2 * half.shape[-1]))
     return out[0], out[1]
 
 
@@ -92,7 +99,8 @@ class RopePatch(Patch):
     exact = True
     after_sp = False
     precedes = ("qkv", "rope_tables")
-    summary = "half-rotation RoPE: q/k channels per head in halves, rotary as x*cos + swap_halves(x)*sin_signed"
+    summary = ("half-rotation RoPE in tt-mlir's fusable form: q/k channels per head in halves, heads first, "
+               "x*cos + rotate_half(x)*sin with (1, 1, L, D) tables")
 
     def check(self, dit: torch.nn.Module, ctx: PatchContext) -> None:
         tw = wan_classes()

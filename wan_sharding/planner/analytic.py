@@ -34,6 +34,7 @@ from ..plan import ShardingPlan
 from ..systems import HostCuts
 from .hardware import Chip, Fabric, chunk_for, collective_seconds
 from .ir_cost import Cost
+from .bfp8 import BYTES_FACTOR as BFP8_BYTES_FACTOR
 from .workload import BF16, F32, Workload
 
 # Bytes of DRAM traffic per block per (token x feature) element, fitted to compiled TTNN IR.
@@ -87,7 +88,9 @@ def block_bill(work: Workload, plan: ShardingPlan) -> list[BillItem]:
     d_local = work.dim // tp
     bill: list[BillItem] = []
     if tp > 1:
-        big = ls * work.dim * BF16
+        # the row-parallel outputs (and, sharded, the gathers feeding column-parallel layers): in
+        # bfp8 when the workload asks for it (tt-xla's enable_activation_dtype_lowering)
+        big = ls * work.dim * BF16 * (BFP8_BYTES_FACTOR if work.bfp8_collectives else 1.0)
         if plan.layout == "sharded":
             bill += _per_axis("reduce_scatter", plan.tp_axes, plan, 3, big, big / tp, "row-parallel outputs")
             bill += _per_axis("all_gather", plan.tp_axes, plan, 3, big / tp, big, "inputs of column-parallel layers")

@@ -36,9 +36,10 @@ from .hardware import chip as chip_for, collective_seconds, fabric_for
 BF16 = 2
 STEPS = 40  # tt-metal's Wan 2.2 performance test: 40 denoising steps, 81 frames
 FRAMES = 81
-# UMT5-XXL encoder (google/umt5-xxl; the Wan 2.2 pipelines' text_encoder): 24 layers, d_model 4096,
-# 64 heads x 64, gated FFN d_ff 10240, 512 prompt tokens.
-UMT5 = {"layers": 24, "d_model": 4096, "d_ff": 10240, "tokens": 512}
+# The prompt length the Wan 2.2 pipelines encode (``max_sequence_length``), and the prompts per video
+# (the prompt and, under guidance, the negative prompt).
+PROMPT_TOKENS = 512
+PROMPTS = 2
 
 
 @lru_cache(maxsize=8)
@@ -218,13 +219,27 @@ def vae_stage(kind: str, mesh: str, arch: str, resolution: str, frames: int = FR
     return StageEstimate("vae", compute, comm * steps, flops)
 
 
+def text_encoder_flops() -> float:
+    """UMT5-XXL (the Wan 2.2 checkpoints' config, ``models.text_encoder_config("full")``) on the prompt
+    and the negative prompt of 512 tokens: 2 FLOP per weight of each layer's matmuls (Q, K, V, O;
+    the gated FFN's two inputs and output) per token. 9.48 TFLOP per pair; the attention scores add
+    about 2 % more and are left out, as the embedding lookup is."""
+    from ..models import text_encoder_config
+
+    c = text_encoder_config("full")
+    inner = c["num_heads"] * c["d_kv"]
+    per_token = 2 * c["num_layers"] * (4 * c["d_model"] * inner + 3 * c["d_model"] * c["d_ff"])
+    return per_token * PROMPT_TOKENS * PROMPTS
+
+
 def text_encoder_stage(mesh: str, arch: str) -> StageEstimate:
-    """UMT5-XXL on the prompt and the negative prompt, tensor-parallel over the mesh (compute only:
-    its all-reduces move 512 x 4096 values per layer, microseconds)."""
-    u = UMT5
-    per_token = 2 * u["layers"] * (4 * u["d_model"] ** 2 + 3 * u["d_model"] * u["d_ff"])
-    flops = 2 * per_token * u["tokens"]
-    return StageEstimate("text_encoder", flops / _mesh_tflops(arch, mesh_from_preset(mesh).num_devices), 0.0, flops)
+    """UMT5-XXL on the prompt and the negative prompt (:func:`text_encoder_flops`) over one TP group
+    of the mesh: ``shard_text_encoder`` splits it over the TP axis only, and every SP replica runs
+    the same program on the same prompts, so the other chips add nothing (compute only: its
+    all-reduces move 512 x 4096 values per layer, microseconds)."""
+    spec = mesh_from_preset(mesh)
+    flops = text_encoder_flops()
+    return StageEstimate("text_encoder", flops / _mesh_tflops(arch, spec.axis_size(spec.tp_axis)), 0.0, flops)
 
 
 def denoising_stage(mesh: str, arch: str, resolution: str, variant: str = "t2v-a14b", steps: int = STEPS) -> StageEstimate:

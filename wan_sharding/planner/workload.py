@@ -36,6 +36,9 @@ class Workload:
     patch: tuple[int, int, int]
     experts: int
     out_channels: int = 16
+    # The row-parallel collectives in bfp8 (tt-xla's ``enable_activation_dtype_lowering``,
+    # :mod:`wan_sharding.planner.bfp8`): about half their bytes, at bfp8's precision.
+    bfp8_collectives: bool = False
 
     @classmethod
     def build(cls, variant: str = "t2v-a14b", resolution: str | None = "480p",

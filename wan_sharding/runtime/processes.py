@@ -9,13 +9,23 @@ import os
 import signal
 from dataclasses import dataclass
 
-__all__ = ["cpu_ticks", "kill_tree", "tree_cpu_ticks"]
+__all__ = ["cpu_ticks", "kill_tree", "process_state", "tree_cpu_ticks"]
 
 
 def cpu_ticks(pid: int) -> int | None:
     """utime + stime of ``pid`` in clock ticks (Linux /proc), or None where unavailable."""
     stat = _stat(pid)
     return None if stat is None else stat.own
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter /proc gives ``pid`` (``R`` running, ``S`` sleeping, ``T`` stopped by a
+    signal, ``t`` stopped by a debugger, ``Z`` dead, not yet reaped ...), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..jobs.conditioning import IMAGE_CONTENT_TYPES, Conditioning, ImageTooLarge, check_image, image_format, image_from_base64
-from ..jobs.requests import TEXT_BODY_BYTES, RequestLimits, UsageError, check_counts, check_limits, check_video
+from ..jobs.requests import (TEXT_BODY_BYTES, RequestLimits, UsageError, check_counts, check_limits, check_video,
+                             video_factors)
 from .store import FINISHED, STATUSES, StoreError, public_message
 from .supervisor import HISTOGRAM_BUCKETS, Supervisor
 
@@ -105,6 +106,11 @@ def validation_line(errors: list[dict[str, Any]]) -> str:
     parts = [p for p in e.get("loc", ()) if p != "body"]
     field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "body"
     field = field if len(field) <= 60 else field[:57] + "..."
+    if e.get("type") == "string_unicode":  # a lone surrogate, in a value or in a field's name (then loc is the body)
+        text = e.get("input") if isinstance(e.get("input"), str) else ""
+        at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), 0)
+        where = field if parts else "a field name"
+        return f"{where}: a lone UTF-16 surrogate at character {at} is not text; send UTF-8 text"
     return f"{field}: {e.get('msg', 'invalid')}; {_FIXES.get(e.get('type', ''), 'see docs/serving.md for the fields')}"
 
 
@@ -124,7 +130,7 @@ def resolve_request(body: GenerationRequest, defaults: dict[str, Any], variant: 
     req["negative_prompt"] = req["negative_prompt"] or ""
     req["seed"] = req["seed"] or 0
     check_counts({k: req[k] for k in ("num_inference_steps", "num_frames", "height", "width")})
-    check_limits(req, limits, count_tokens=count_tokens)
+    check_limits(req, limits, count_tokens=count_tokens, factors=video_factors(variant, model))
     check_video(req["num_frames"], req["height"], req["width"], variant, model, names=("num_frames", "height", "width"))
     if cache == "mag" and req["num_inference_steps"] != defaults["num_inference_steps"]:
         raise UsageError(f"num_inference_steps {req['num_inference_steps']}: this server's MagCache is calibrated for "
@@ -156,7 +162,7 @@ def metrics_text(sup: Supervisor) -> str:
               "# HELP wan_sharding_ready 1 when a worker is warm and serving.", "# TYPE wan_sharding_ready gauge",
               f"wan_sharding_ready {int(sup.state == 'ready')}"]
     per_worker = [("wan_sharding_worker_ready", "gauge", "1 when this worker is warm and serving.",
-                   lambda r: int(r.state == "ready")),
+                   lambda r: int(r.status[0] == "ready")),
                   ("wan_sharding_worker_busy", "gauge", "1 while this worker runs a job.", lambda r: int(bool(r.running))),
                   ("wan_sharding_worker_replaced_total", "counter", "Times this worker was replaced after a failure.",
                    lambda r: r.restarts),
@@ -166,10 +172,15 @@ def metrics_text(sup: Supervisor) -> str:
     cached = [r for r in sup.replicas if r.prompt_cache is not None]
     per_worker += [(f"wan_sharding_prompt_cache_{key}{'_total' if kind == 'counter' else ''}", kind, what,
                     lambda r, key=key: r.prompt_cache[key]) for key, kind, what in PROMPT_CACHE_METRICS]
+    # the decodes and encodes each worker's VAE ran on the mesh (serve --vae mesh; 0 on the host)
+    per_worker += [(f"wan_sharding_vae_mesh_{part}s_total", "counter",
+                    f"VAE {part}s this worker process ran on the mesh (its warm-up's included).",
+                    lambda r, part=part: r.vae[f"mesh_{part}s"]) for part in ("decode", "encode")]
+    reported = {"wan_sharding_prompt_cache_": cached, "wan_sharding_vae_": [r for r in sup.replicas if r.vae]}
     for name, kind, what, value in per_worker:
         lines += [f"# HELP {name} {what}", f"# TYPE {name} {kind}"]
         lines += [f'{name}{{worker="{r.index}",mesh="{r.spec.mesh}",devices="{r.spec.devices}"}} {value(r)}'
-                  for r in (cached if name.startswith("wan_sharding_prompt_cache_") else sup.replicas)]
+                  for r in next((rs for prefix, rs in reported.items() if name.startswith(prefix)), sup.replicas)]
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
-from ..runtime.processes import tree_cpu_ticks
+from ..runtime.processes import process_state, tree_cpu_ticks
 from ..runtime.workers import RESULT_PREFIX, start_resident_worker, stop_worker
 from .store import StoreError
 
@@ -58,8 +58,10 @@ class WorkerSpec:
 class _Worker:
     """One resident worker process: its events (``RESULT`` lines) on a queue, ``None`` at its end."""
 
-    def __init__(self, env: dict[str, str], config: dict[str, Any], log: IO[str], prefix: str) -> None:
+    def __init__(self, env: dict[str, str], config: dict[str, Any], log: IO[str], prefix: str,
+                 on_end: Any = lambda: None) -> None:
         self.proc: subprocess.Popen = start_resident_worker(WORKER, env, label="serve worker", stderr=log)
+        self.on_end = on_end  # called once its stdout closed (it died): its replica's thread is woken
         self.events: queue.Queue = queue.Queue()
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(config) + "\n")
@@ -76,6 +78,7 @@ class _Worker:
                     log.write(prefix + line)
                     log.flush()
         self.events.put(None)
+        self.on_end()
 
     def send(self, job: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -106,6 +109,7 @@ class Replica:
         self.completed = 0
         self.ready_info: dict[str, Any] = {}
         self.prompt_cache: dict[str, Any] | None = None  # the worker's prompt embeddings, as it last reported them
+        self.vae: dict[str, Any] | None = None  # where its VAE runs and its calls on the mesh, as last reported
         self.tokenizer: str | None = None  # the pipeline's tokenizer (tokenizers JSON), for the prompt token limit
         self.running: str | None = None
         self.idle = False  # ready and waiting for a job (the dispatch reads it under its lock)
@@ -119,10 +123,29 @@ class Replica:
         w = self._worker
         return None if w is None or w.proc.poll() is not None else w.proc.pid
 
+    @property
+    def status(self) -> tuple[str, str]:
+        """``(state, reason)`` as ``/health`` reports them: a ``ready`` worker whose process has died
+        is ``replacing`` from that moment, not from its thread's next turn (which replaces it)."""
+        w = self._worker
+        if self.state == "ready" and w is not None and w.proc.poll() is not None:
+            return "replacing", f"the worker process died ({_signal_name(w.proc.returncode)}); it is being replaced"
+        return self.state, self.reason
+
+    def stopped(self) -> str | None:
+        """Why this warm worker cannot run a job now although its process lives: stopped by a signal
+        (SIGSTOP, Ctrl-Z) or a debugger; None otherwise."""
+        w = self._worker
+        if self.state != "ready" or w is None or process_state(w.proc.pid) not in ("T", "t"):
+            return None
+        return (f"{self.name}'s process (pid {w.proc.pid}) is stopped (SIGSTOP or a debugger); its jobs wait until it "
+                f"continues (SIGCONT), one it runs longer than --stall-timeout replaces it")
+
     def describe(self) -> dict[str, Any]:
         """This worker as ``/health`` lists it."""
-        return {"index": self.index, "mesh": self.spec.mesh, "devices": self.spec.devices, "state": self.state,
-                "reason": self.reason or None, "pid": self.pid, "running": self.running, "restarts": self.restarts,
+        state, reason = self.status
+        return {"index": self.index, "mesh": self.spec.mesh, "devices": self.spec.devices, "state": state,
+                "reason": reason or None, "pid": self.pid, "running": self.running, "restarts": self.restarts,
                 "completed": self.completed, **{k: self.ready_info[k] for k in ("ready_seconds", "warmup_seconds")
                                                 if k in self.ready_info}}
 
@@ -177,7 +200,7 @@ class Replica:
             how = self._worker.stop()
             self._worker = None
             self.restarts += 1
-            self.state, self.reason = "replacing", "the worker is being replaced and warmed up again"
+            self.state, self.reason = "replacing", f"the worker process died while idle ({how}); it is being replaced"
             self._say(f"{self.name} died while idle ({how}); replacing it")
             return True
         self.idle = True
@@ -197,7 +220,7 @@ class Replica:
             self.state = "replacing"
         t = time.monotonic()
         prefix = "" if len(self.sup.specs) == 1 else f"[worker {self.index}] "
-        worker = self._worker = _Worker(self.spec.env, self.spec.config, self.sup.log, prefix)
+        worker = self._worker = _Worker(self.spec.env, self.spec.config, self.sup.log, prefix, self.sup.notify)
         error = self._wait_ready(worker)
         if error is not None:
             worker.stop()
@@ -232,6 +255,7 @@ class Replica:
                 self.ready_info = {k: v for k, v in ev.items() if k not in ("event", "tokenizer")}
                 self.tokenizer = ev.get("tokenizer") or self.tokenizer
                 self.prompt_cache = ev.get("prompt_cache")
+                self.vae = ev.get("vae")
                 return None
         return "the server is stopping"
 
@@ -307,6 +331,7 @@ class Replica:
             return False
         if kind == "completed":
             self.prompt_cache = ev.get("prompt_cache", self.prompt_cache)
+            self.vae = ev.get("vae", self.vae)
             with contextlib.suppress(StoreError):
                 store.progress(job_id, len(ev["step_seconds"]), len(ev["step_seconds"]))
             try:

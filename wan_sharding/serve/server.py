@@ -96,7 +96,7 @@ def worker_specs(p: dict[str, Any], defaults: dict[str, Any]) -> list[WorkerSpec
     from ..jobs.launch import worker_env
 
     base = {k: p.get(k) for k in ("backend", "mesh", "plan", "padding", "patches", "cache", "dtype", "variant",
-                                  "model", "text_encoder", "prompt_cache_mb")}
+                                  "model", "text_encoder", "vae", "prompt_cache_mb")}
     base["defaults"] = defaults
     replicas, plan = replicas_of(p)
     specs = []
@@ -118,20 +118,61 @@ LIMIT_FLAGS = (("max_steps", "steps", 1), ("max_frames", "frames", 1), ("max_hei
                ("max_width", "width", 1), ("max_frame_pixels", "frame_pixels", 1),
                ("max_prompt_bytes", "prompt_bytes", 1), ("max_prompt_tokens", "prompt_tokens", 1),
                ("max_images", "images", 1), ("max_image_mb", "image_bytes", 2**20),
-               ("max_image_pixels", "image_pixels", 1))
+               ("max_image_pixels", "image_pixels", 1), ("max_tokens", "tokens", 1))
 HEADER_TIMEOUT_S = 10.0  # serve --header-timeout: a request head must be whole within this
 BODY_TIMEOUT_S = 30.0  # serve --body-timeout: the longest pause while a body arrives
 MAX_CONNECTIONS = 256  # serve --max-connections: well under the common 1,024 open files
 
 
 def request_limits(p: dict[str, Any]) -> RequestLimits:
-    """What one request may cost on this server: the model's defaults (:func:`default_limits`), each
+    """What one request may cost on this server: the model's defaults, sized to what one request may
+    take on one device of the serve mesh (:func:`default_limits` of :func:`mesh_tokens`), each
     overridden by its ``--max-*`` flag."""
-    base = default_limits(p["variant"], p.get("model")).as_dict()
+    base = default_limits(p["variant"], p.get("model"), mesh_tokens(p)).as_dict()
     for key, field, unit in LIMIT_FLAGS:
         if p.get(key) is not None:
             base[field] = int(p[key] * unit)
     return RequestLimits(**base)
+
+
+def mesh_tokens(p: dict[str, Any]) -> int:
+    """The most flat DiT tokens one request may have so that a worker's devices hold it, by the
+    planner's memory model (:func:`wan_sharding.planner.serving.max_request_tokens`): one replica's
+    mesh (or plan), the worker's dtype, the text encoder when it is on the mesh; a device's memory a
+    Tenstorrent chip's DRAM (``tt``) or this host's memory shared by every device of the serve mesh."""
+    from ..jobs.conditioning import conditioning
+    from ..options import DEFAULT_PADDING
+    from ..plan import ShardingPlan
+    from ..planner.serving import TT_ARCH, device_memory_bytes, max_request_tokens
+
+    replicas, plan = replicas_of(p)
+    sub = (ShardingPlan.from_dict(plan) if plan else
+           ShardingPlan.from_mesh(replicas[0].mesh, padding=p.get("padding") or DEFAULT_PADDING))
+    model = p.get("model")
+    dtype = p.get("dtype") or ("bf16" if model else "fp32")
+    dit, encoder = checkpoint_configs(model) if model else ((), ())
+    device = device_memory_bytes(p["backend"], sum(r.mesh.num_devices for r in replicas), p.get("arch") or TT_ARCH)
+    return max_request_tokens(conditioning(p["variant"], model).variant, "full" if model else "tiny", sub, device,
+                              attention="fused" if p["backend"] == "tt" else "materialised",
+                              dtype_bytes=4 if dtype == "fp32" else 2, text_encoder=p.get("text_encoder") == "mesh",
+                              dit=dit, encoder=encoder)
+
+
+def checkpoint_configs(model: str) -> tuple[tuple, tuple]:
+    """The DiT's and the text encoder's config entries of the checkpoint at ``model`` (those the
+    full-size configs have), as the planner takes them."""
+    from pathlib import Path
+
+    from ..jobs.requests import read_json_file
+    from ..models import FULL_CONFIGS, text_encoder_config
+
+    root = Path(model)
+    dit = (read_json_file(root / "transformer" / "config.json", required=False)
+           or read_json_file(root / "transformer_2" / "config.json", required=False) or {})
+    umt5 = read_json_file(root / "text_encoder" / "config.json", required=False) or {}
+    keep = lambda cfg, known: tuple(sorted((k, tuple(v) if isinstance(v, list) else v)  # noqa: E731
+                                           for k, v in cfg.items() if k in known))
+    return keep(dit, FULL_CONFIGS["t2v-a14b"]), keep(umt5, text_encoder_config("full"))
 
 
 def model_name(p: dict[str, Any]) -> str:
@@ -176,6 +217,9 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
     say(f"wan-sharding serve: listening on http://{url_host}:{port} (store {p['store']}, queue {p['queue']}, "
         f"job timeout {p['job_timeout']:g} s{', API key required' if p.get('api_key') else ''}); warming up "
         f"{workers} (GET /health is 503 until it is ready)")
+    say(f"wan-sharding serve: a request may have at most {limits.tokens:,} DiT tokens, {limits.frames} frames, "
+        f"{limits.height}x{limits.width} and {limits.frame_pixels:,} pixels a frame, {limits.steps} steps (sized from "
+        f"the model and the mesh, or by --max-*; docs/serving.md, Limits)")
     sys.stdout.flush()
     _log_to(sys.stdout)
     sup.prune(force=True)

@@ -68,7 +68,7 @@ class Supervisor:
 
     @property
     def state(self) -> str:
-        states = [r.state for r in self.replicas]
+        states = [r.status[0] for r in self.replicas]
         if "ready" in states:
             return "ready"
         if self._stopped_why is not None and self.broken is None:
@@ -84,8 +84,9 @@ class Supervisor:
             return ""
         if self.state == "stopped":
             return self._stopped_why or "the server stopped"
-        r = next(r for r in self.replicas if r.state == self.state or self.state == "broken")
-        return r.reason if len(self.replicas) == 1 else f"{r.name}: {r.reason}"
+        state = self.state
+        r = next(r for r in self.replicas if r.status[0] == state or state == "broken")
+        return r.status[1] if len(self.replicas) == 1 else f"{r.name}: {r.status[1]}"
 
     @property
     def ever_ready(self) -> bool:
@@ -96,7 +97,7 @@ class Supervisor:
         return sum(r.restarts for r in self.replicas)
 
     def _first_ready(self) -> Replica:
-        return next((r for r in self.replicas if r.state == "ready"), self.replicas[0])
+        return next((r for r in self.replicas if r.status[0] == "ready"), self.replicas[0])
 
     @property
     def worker_pid(self) -> int | None:
@@ -129,11 +130,15 @@ class Supervisor:
 
     def degraded(self) -> str | None:
         """Why the server serves badly although a worker is warm, or None: a worker's thread ended,
-        the store (database or videos folder) cannot be written, job ends wait to be recorded, or
-        the last :data:`STORAGE_FAILURES` jobs failed for a storage reason."""
+        a warm worker's process is stopped, the store (database or videos folder) cannot be written,
+        job ends wait to be recorded, or the last :data:`STORAGE_FAILURES` jobs failed for a storage
+        reason (until a job completes: only a real job shows that their cause went)."""
         gone = [r for r in self.replicas if not r.thread.is_alive() and r.thread.ident is not None and not r.broken]
         if gone and not self.stopping.is_set():
             return f"{gone[0].name}'s thread ended; restart the server"
+        stopped = next((why for r in self.replicas if (why := r.stopped())), None)
+        if stopped:
+            return stopped
         why = self.store.probe()
         if why:
             return why

@@ -34,7 +34,7 @@ __all__ = ["VaeHandle", "check_vae", "shard_vae"]
 _SHARDED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # VAEs sharded now: a second shard_vae is refused
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # ShardHandle's short repr
 class VaeHandle(ShardHandle):
     """What :func:`shard_vae` did to one VAE; ``decode`` / ``encode`` run it on the mesh,
     ``remove()`` restores it exactly."""
@@ -82,6 +82,7 @@ class VaeHandle(ShardHandle):
         from diffusers.models.autoencoders.vae import DecoderOutput
 
         self._check_call()
+        self._check_channels(z, "decode")
         frame = self.plan_decode(tuple(z.shape))  # refused here, before any program starts
         self.last_frame = frame
         out = torch.cat(self._run("decode", z, decode_steps(z.shape[2]), frame), dim=2)
@@ -94,11 +95,24 @@ class VaeHandle(ShardHandle):
         from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
         self._check_call()
+        self._check_channels(x, "encode")
         frame = self.plan_encode(tuple(x.shape))
         self.last_frame = frame
         h = torch.cat(self._run("encode", x, encode_steps(x.shape[2]), frame), dim=2)
         posterior = DiagonalGaussianDistribution(h)
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+
+    def _check_channels(self, x: torch.Tensor, part: str) -> None:
+        """A latent (decode) or video (encode) of another channel count than this VAE's, refused
+        before anything runs (a Wan 2.2 latent into the Wan 2.1 VAE, or the other way round)."""
+        cfg = self.vae.config
+        want = cfg.z_dim if part == "decode" else cfg.in_channels // (cfg.patch_size or 1) ** 2
+        got = x.shape[1] if x.ndim == 5 else None
+        if got is not None and got != want:
+            what = "latent" if part == "decode" else "video"
+            which = " (Wan 2.1's latents have 16, Wan 2.2's 48: decode each with its own VAE)" if part == "decode" else ""
+            raise ShardingError(f"this VAE {part}s a {what} of {want} channels, got {got} (shape {tuple(x.shape)}); "
+                                f"pass a (batch, {want}, frames, height, width) {what}{which}")
 
     def _check_call(self) -> None:
         if self.removed:
@@ -205,9 +219,12 @@ def shard_vae(vae: torch.nn.Module, mesh_or_plan: Any = None, backend: str | Bac
     """Shard a diffusers ``AutoencoderKLWan`` (the Wan 2.1 VAE of the A14B pipelines or the Wan 2.2
     VAE of TI2V-5B) over the mesh: every frame split over H on one mesh axis and W on the other
     (per frame, the way round whose halo all-gathers are smaller: W on the 8-long axis of 8x4 for
-    a wide video frame), each 3x3 conv's zero padding on a split dim replaced by a one-row halo
-    from its neighbours (no all-gather of it larger than the attention's frame gather), the
-    mid-block attention on the gathered frame.
+    a wide video frame), each 3x3 conv's zero padding on a split dim replaced by a halo of one row
+    from each neighbour. The halo moves as an all-gather of every shard's boundary rows over the
+    whole mesh axis, each shard then picking its neighbours' rows from it: each chip is handed the
+    axis length times the rows it needs (``compile --component vae`` reports both per step), and
+    no such gather is larger than the attention's frame gather. The mid-block attention runs on the
+    gathered frame.
 
     Args:
         vae: the model (real weights; ``meta`` for the ``jax`` backend's compile-only lowering).
