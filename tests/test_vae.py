@@ -49,7 +49,8 @@ STRATEGY_CASES = [C("wan2.1:decode:1,4,8:fp32:halo-permute"), C("wan2.1:decode:1
                   C("wan2.1:decode:1,4,8:fp32:channels")]
 MATRIX: list[tuple[str, dict[str, list[VaeCase]]]] = [
     ("jax", {"1x4": [C("wan2.1:decode:3,4,8:fp32"), C("wan2.1:decode:1,4,8:fp32:halo:none")],
-             "2x4": [C("wan2.1:decode:3,5,8:fp32"), C("wan2.2:encode:2,4,8:bf16"), *STRATEGY_CASES]}),
+             "2x4": [C("wan2.1:decode:3,5,8:fp32"), C("wan2.2:encode:2,4,8:bf16"), C("wan2.1:encode:3,4,8:fp32"),
+                     *STRATEGY_CASES]}),
     ("jax", {"8x4": [C("wan2.1:decode:3,5,8:fp32"), C("wan2.2:decode:3,4,16:fp32")]}),
     ("xla", {"2x4": [C("wan2.2:decode:3,7,4:fp32")]}),
 ]
@@ -126,6 +127,9 @@ def test_the_matrix_covers_what_the_issue_asks(rows):
     assert {c.vae for c in cases} == {"wan2.1", "wan2.2"} and {c.part for c in cases} == {"decode", "encode"}
     assert {c.dtype for c in cases} == {"fp32", "bf16"}
     assert all(c.shape[0] >= 3 for c in cases if c.part == "decode")
+    # an fp32 encode of 3 latent frames: the first video frame, then two chunks of four, the third
+    # step being the one every later chunk reuses (its cache full)
+    assert any(c.part == "encode" and c.dtype == "fp32" and c.shape[0] >= 3 for c in cases)
     assert {m for _, m, _ in CASES} == {"1x4", "2x4", "8x4"} and {b for b, _, _ in CASES} == {"jax", "xla"}
     assert {m for b, share in SLOW_MATRIX if b == "xla" for m in share} == {"1x4", "2x4", "8x4"}  # -m slow
     for mesh in ("2x4", "8x4"):  # the done-when: both VAEs decode on 2x4 and 8x4, a padded frame among them

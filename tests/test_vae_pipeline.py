@@ -78,7 +78,23 @@ def test_the_planner_counts_the_vae():
     assert later > 3 * first  # later latent frames decode to 4 video frames, the first to one
     small, big = vae_memory_per_chip("wan2.1", 8, "480p"), vae_memory_per_chip("wan2.1", 32, "720p")
     assert small.weights == big.weights == pytest.approx(126.9e6 * 2, rel=0.01)  # replicated, bf16
-    assert big.cache < small.cache * 32 / 8 * 2.5  # split over the mesh: 2.25x the pixels, 4x the chips
+    # the cache split over the mesh: 720p's latent frame (90 x 160) has 2.31x the pixels of 480p's
+    # (60 x 104), on 4x the chips; a cache not split would read 2.31 here, not 0.58
+    pixels = (90 * 160) / (60 * 104)
+    assert big.cache / small.cache == pytest.approx(pixels * 8 / 32, rel=0.01)
+    # the mid-block attention runs whole on every chip: per latent frame its 4 L^2 c of SDPA (L the
+    # latent pixels, c = 384) and 8 L c^2 of 1x1 convs, 67 GFLOP at 480p; the stage time counts it
+    # on one chip, not divided over the mesh
+    from wan_sharding.planner.vae import attention_flops, vae_stage
+
+    pixels, width = 60 * 104, 384
+    whole = attention_flops("wan2.1", "480p")
+    assert whole == pytest.approx(4 * pixels**2 * width + 8 * pixels * width**2, rel=0.01)
+    # 4x the chips: the rest a quarter, the attention (21 latent frames) the same on each chip
+    small, big = (vae_stage("wan2.1", m, "blackhole", "480p").compute_s for m in ("2x4", "8x4"))
+    total, attention = video_flops("wan2.1", "480p"), 21 * whole
+    assert big / small == pytest.approx((total - attention + 32 * attention) / (4 * (total - attention) + 32 * attention),
+                                        rel=1e-3)
     rows = {(r["system"], r["resolution"]): r for r in stage_table()}
     assert set(rows) == {("bh-2x4", "480p"), ("bh-galaxy", "720p"), ("bh-4x32", "720p")}
     for r in rows.values():

@@ -189,14 +189,24 @@ def spatial_units(vae: Any) -> tuple[int, int]:
     return 1, int(vae.config.scale_factor_spatial)
 
 
+def frame_values(config: Any, part: str, frame: Frame) -> int:
+    """Values of one frame at the mid block's width and the latent resolution, as it lies on the
+    mesh (``frame``'s padded size; an encode's frame at its latent rows): what the mid-block
+    attention gathers per batch item in one step of ``part``, the frame limit of the bill (docs/vae.md).
+    ``config`` is the VAE's (``vae.config``) or its config dict (AutoencoderKLWan's defaults filled in)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    base = get("base_dim", 96)
+    width = ((get("decoder_base_dim", None) or base) if part == "decode" else base) * get("dim_mult", [1, 2, 4, 4])[-1]
+    unit = 1 if part == "decode" else int(get("scale_factor_spatial", 8))
+    h, w = frame.padded
+    return width * (h // unit) * (w // unit)
+
+
 def attention_gather(vae: Any, part: str, batch: int, frame: Frame) -> int:
     """The values the mid-block attention gathers in one step of ``part`` (the whole latent frame at
-    its width, per batch item): the one collective a step needs the size of a frame, and the most
-    any halo all-gather is let hand a chip (the bill rule of docs/vae.md)."""
-    coder = vae.decoder if part == "decode" else vae.encoder
-    unit = 1 if part == "decode" else spatial_units(vae)[1]
-    h, w = frame.padded
-    return batch * coder.mid_block.attentions[0].dim * (h // unit) * (w // unit)
+    its width, per batch item: :func:`frame_values`): the one collective a step needs the size of
+    a frame, and the most any halo all-gather is let hand a chip (the bill rule of docs/vae.md)."""
+    return batch * frame_values(vae.config, part, frame)
 
 
 def widest_scale(config: Any, part: str) -> float:
