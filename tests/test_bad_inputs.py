@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from wan_sharding import ShardingError, apply_dit_sp_activation_sharding, shard_text_encoder, shard_vae
+from wan_sharding.mesh import with_cfg
 from wan_sharding.models import build_dit, build_text_encoder, build_vae
 from wan_sharding.pipeline.tiny import PipelineUnavailable, load_pipeline
 from wan_sharding.plan import PlanError, ShardingPlan
@@ -81,7 +82,11 @@ def _fixtures(root: Path) -> dict[str, str]:
     for name in ("t2v-a14b-jax-2x4-mask.mp4", "t2v-a14b-jax-2x4-mask.json", "report.json", "plan.json",
                  "galaxy.ttsys"):
         (outputs / name).write_text("an earlier run's\n")
-    return {"file": str(root / "a-file"), "dir": str(root), "unwritable": UNWRITABLE,
+    from wan_sharding.lora.tiny import write_adapter
+    from wan_sharding.models import build_dit
+
+    write_adapter(root / "lora-5b.safetensors", build_dit("ti2v-5b"), rank=2)  # a LoRA for TI2V-5B's tiny expert
+    return {"file": str(root / "a-file"), "dir": str(root), "unwritable": UNWRITABLE, "lora5b": str(root / "lora-5b.safetensors"),
             "badmodel": str(bad), "notwan": str(other), "plan": str(root / "plan-2x4.json"),
             "noencoder": str(no_encoder), "outputs": str(outputs)}
 
@@ -203,7 +208,7 @@ class _Api:
                 "load_pipeline": load_pipeline,
                 "sp_dit": self.sp_dit, "apply_dit_sp_activation_sharding": apply_dit_sp_activation_sharding,
                 "encoder": self.encoder, "shard_text_encoder": shard_text_encoder,
-                "copy": copy, "pickle": pickle, "vae": self.vae, "shard_vae": shard_vae}
+                "copy": copy, "pickle": pickle, "vae": self.vae, "shard_vae": shard_vae, "with_cfg": with_cfg}
 
 
 def _hooks(model) -> int:

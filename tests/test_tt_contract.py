@@ -442,7 +442,9 @@ GRAPH_CASES = ["t2v-a14b:fp32:mask", "t2v-a14b:fp32:slice", "t2v-a14b:bf16:mask"
 MODELS = 10  # more than dynamo's recompile limit (8)
 
 
-def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tuple[str, ...] = ()) -> dict:
+def run_standin(script: str, args: list[str], devices: int) -> dict:
+    """``python tests/<script> ARGS...`` in a torch-xla CPU process of ``devices`` devices (the
+    stand-ins' process); the JSON object it prints after ``RESULT``."""
     import json
     import subprocess
     from pathlib import Path
@@ -450,17 +452,20 @@ def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tu
     from wan_sharding.runtime import scratch
     from wan_sharding.jobs.launch import worker_env
 
-    script = Path(__file__).with_name("tt_graphs.py")
     tmp = scratch.worker_tmpdir()  # as the worker runner gives a worker: dynamo's caches go with it
     try:
-        proc = subprocess.run([sys.executable, str(script), preset, parts, str(models), *cases],
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *args],
                               env={**worker_env("xla", devices), "TMPDIR": str(tmp)}, capture_output=True, text=True,
-                              timeout=900)
+                              timeout=1200)
     finally:
         scratch.remove(tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):])
+
+
+def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tuple[str, ...] = ()) -> dict:
+    return run_standin("tt_graphs.py", [preset, parts, str(models), *cases], devices)
 
 
 @pytest.fixture(scope="module")
@@ -679,3 +684,44 @@ def test_first_run_report_is_one_whole_json_file(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing half-written, no temporary left
     monkeypatch.delenv(first_run.REPORT_ENV)
     assert first_run.default_path("8x4").name == "tt-first-run-8x4.json"
+
+
+def test_tt_backend_marks_lora_weights_beside_their_base_and_runs_the_adapters(tt_stand_ins, monkeypatch):
+    """LoRA on tt (stand-ins, above; ``torch_xla.distributed.spmd.mark_sharding`` recorded too):
+    every parameter is marked with its spec, the LoRA weights beside their base's; the forward adds
+    the adapters with their live weights; ``place_lora`` marks the LoRA weights only, base untouched."""
+    from wan_sharding.lora.tiny import adapter_state
+    from wan_sharding.lora_layers import lora_parameters
+    from wan_sharding.dit.specs import shard_dit_specs
+
+    marks = []
+    spmd = types.ModuleType("torch_xla.distributed.spmd")
+    spmd.mark_sharding = lambda tensor, mesh, spec: marks.append((tuple(tensor.shape), tuple(spec)))
+    distributed = types.ModuleType("torch_xla.distributed")
+    distributed.spmd = spmd
+    monkeypatch.setattr(sys.modules["torch_xla"], "distributed", distributed, raising=False)
+    monkeypatch.setattr(sys.modules["torch_xla"], "sync", lambda: None, raising=False)
+    monkeypatch.setitem(sys.modules, "torch_xla.distributed", distributed)
+    monkeypatch.setitem(sys.modules, "torch_xla.distributed.spmd", spmd)
+    dit = build_dit("t2v-a14b")
+    dit.load_lora_adapter(adapter_state(dit, rank=4, bias=True), adapter_name="a")
+    specs = shard_dit_specs(dit, "2x4")
+    backend = _tt_backend()
+    backend.place(dit, specs)
+    by_name = specs.by_name()
+    assert marks == [(tuple(p.shape), by_name[n]) for n, p in dit.named_parameters()]
+    assert by_name["blocks.0.attn1.to_q.lora_B.a.weight"] == ("tp", None)
+    assert by_name["blocks.0.ffn.net.2.lora_A.a.weight"] == (None, "tp")
+    inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    with torch.no_grad():
+        base = backend.run(dit, None, **inputs)
+        for weight in (0.3, 1.7):
+            dit.set_adapters(["a"], [weight])
+            torch.testing.assert_close(backend.run(dit, None, **inputs), dit(**inputs, return_dict=False)[0])
+        assert (backend.run(dit, None, **inputs) - base).abs().max() > 1e-3  # the adapter's weight reached it
+    assert len(tt_stand_ins.compiles) == 1
+    marks.clear()
+    lora = lora_parameters(dit)
+    backend.place_lora(dit, None, {n: by_name[n] for n in lora})
+    assert marks == [(tuple(p.shape), by_name[n]) for n, p in lora.items()]
+    assert backend._placed_specs[dit] == by_name

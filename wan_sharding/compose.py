@@ -30,11 +30,12 @@ from .backends.base import move_module
 from .dit.activation import SPHandle, apply_dit_sp_activation_sharding, check_sp
 from .dit.specs import check_wan_model, shard_dit_specs
 from .hooks import has_sp
+from .lora_layers import LoraError, check_layers
 from .mesh import MeshSpec, as_mesh_spec
 from .options import DEFAULT_PADDING, PADDING_NAMES
 from .patches import apply_patches, check_patches
 from .plan import PlanError, ShardingPlan
-from .specs import ShardingError, ShardSpecs
+from .specs import LoraShardingError, ShardingError, ShardSpecs
 
 __all__ = ["DitHandle", "OnResolved", "Resolved", "ShardHandle", "check_dit", "host_tensors", "model_device", "resolve",
            "shard_dit", "shard_module"]
@@ -164,7 +165,7 @@ class OnResolved:
         return self.resolved.plan
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # the generated repr would print the whole model and its placed weights
 class ShardHandle(OnResolved):
     """What sharding one model did (any component: the DiT, the VAE, the text encoder);
     ``remove()`` undoes all of it, in reverse of :func:`shard_module`'s order.
@@ -197,6 +198,12 @@ class ShardHandle(OnResolved):
         if self.rewrites is not None:
             self.rewrites.remove()
         self.removed = True
+
+    def __repr__(self) -> str:
+        """One short line: the handle, the model's class, the mesh and backend, and whether it was
+        removed (``describe()`` has the rest)."""
+        state = ", removed" if self.removed else ""
+        return f"{type(self).__name__}({type(self.model).__name__} on {self.mesh.name}, {self.backend.name}{state})"
 
     def __enter__(self) -> "ShardHandle":
         return self
@@ -250,7 +257,7 @@ def shard_module(model: torch.nn.Module, resolved: Resolved, specs_of: Callable[
     return handle
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class DitHandle(ShardHandle):
     """What :func:`shard_dit` did to one DiT; ``remove()`` undoes all of it, in reverse.
 
@@ -334,6 +341,10 @@ def check_dit(dit: torch.nn.Module, resolved: Resolved) -> None:
     if has_sp(dit):
         raise ShardingError("this model is already sharded (it carries sequence-parallel hooks); call its "
                             "handle's remove() first")
+    try:  # LoRA layers: a variant, merged weights, a patch that would drop their terms
+        check_layers(dit, resolved.patches)
+    except LoraError as e:
+        raise LoraShardingError(str(e)) from None
     shard_dit_specs(dit, resolved.mesh_or_plan)
     check_sp(dit, resolved.mesh, resolved.padding, resolved.plan)
     if resolved.patches:
@@ -371,5 +382,6 @@ def _return_to_host(h: ShardHandle) -> None:
                 module.register_parameter(name, tensor)
         elif module._buffers.get(name) is not tensor:
             module.register_buffer(name, tensor, persistent=name not in module._non_persistent_buffers_set)
-    if any(t.device != h.original_device for *_, t in h.host_tensors):  # moved in place (same objects)
+    if any(t.device != h.original_device for *_, t in h.host_tensors) or \
+            any(p.device != h.original_device for p in h.model.parameters()):  # moved in place, or added while sharded
         move_module(h.model, h.original_device)

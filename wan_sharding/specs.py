@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .lora_layers import LoraError, lora_spec, parameter_role
 from .mesh import MeshSpec, as_mesh_spec
 from .plan import COLWISE, EMBEDDING_COLWISE, NORM_COLWISE, REPLICATE, ROWWISE, STYLES, WAN_TP_TABLE
 
@@ -22,6 +23,11 @@ Spec = tuple  # one entry per tensor dim: None or a mesh axis name
 
 class ShardingError(ValueError):
     """The model, mesh or plan cannot be combined; raised before anything is changed."""
+
+
+class LoraShardingError(ShardingError, LoraError):
+    """A loaded LoRA adapter that cannot be split exactly (a variant, an Embedding LoRA, a LoRA on
+    a module no Linear rule covers); both a ShardingError and a LoraError."""
 
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:
@@ -41,7 +47,9 @@ def resolve_styles(dit: torch.nn.Module, tp_table: Mapping[str, str] = WAN_TP_TA
     """Map every parameter name to the style of the TP table pattern that names its owner module.
 
     Raises :class:`ShardingError` for a parameter no pattern covers (``written_for`` names the model
-    the table was written for), or two patterns that disagree.
+    the table was written for), or two patterns that disagree. PEFT's LoRA layers are matched by the
+    Linear they wrap: ``<path>.base_layer.weight`` and ``<path>.lora_A.<adapter>.weight`` are owned
+    by ``<path>`` (``wan_sharding.lora_layers``).
     """
     for pattern, style in tp_table.items():
         if style not in STYLES:
@@ -50,7 +58,10 @@ def resolve_styles(dit: torch.nn.Module, tp_table: Mapping[str, str] = WAN_TP_TA
     styles: dict[str, str] = {}
     uncovered: list[str] = []
     for name, _ in dit.named_parameters():
-        owner = name.rpartition(".")[0]
+        try:
+            owner = parameter_role(name)[0]
+        except LoraError as e:
+            raise LoraShardingError(str(e)) from None
         hits = {s for p, rx, s in compiled if rx.match(owner)}
         if not hits:
             uncovered.append(name)
@@ -212,9 +223,14 @@ def table_specs(model: torch.nn.Module, mesh: MeshSpec, tp_table: Mapping[str, s
     styles = resolve_styles(model, tp_table, written_for)
     entries = []
     for name, param in model.named_parameters():
-        spec = _spec_for(styles[name], param.shape, mesh.tp_axis)
-        if fsdp:
-            spec = _add_fsdp(spec, param.shape, mesh, fsdp_floor)
+        try:  # a LoRA parameter follows its base's style (lora_layers); never FSDP-split: rank-sized
+            spec = lora_spec(styles[name], parameter_role(name)[1], param.ndim, mesh.tp_axis)
+        except LoraError as e:
+            raise LoraShardingError(f"{name}: {e}") from None
+        if spec is None:
+            spec = _spec_for(styles[name], param.shape, mesh.tp_axis)
+            if fsdp:
+                spec = _add_fsdp(spec, param.shape, mesh, fsdp_floor)
         _check_divisible(name, param.shape, spec, mesh)
         entries.append((name, param, spec, styles[name]))
     return ShardSpecs(entries, mesh)

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ..lora_layers import SCALES_KEY, live_scales, scales_as, split_scales
 from ..mesh import MeshSpec
 from ..specs import Spec
 from .base import DEVICE_COUNT_FLAG, Backend, BackendError, Program, input_signature, slice_bytes, with_xla_flags
@@ -31,6 +32,7 @@ class JaxBackend(Backend):
     def __init__(self, mesh: MeshSpec, native_mesh: Any = None, devices: list | None = None):
         self._devices = devices
         super().__init__(mesh, native_mesh)
+        self.compiles = 0  # traces of a whole forward (a retrace is a recompile)
         install_lean_lowerings()
 
     def _make_mesh(self, mesh: MeshSpec) -> Any:
@@ -132,8 +134,10 @@ class JaxBackend(Backend):
         env = torchax.default_env()
 
         def forward(state: dict, args: tuple, kwargs: dict):
-            state, args, kwargs = env.j2t_iso((state, args, kwargs))
-            with env, (fused_sdpa if fused_sdpa is not None else contextlib.nullcontext()):
+            self.compiles += 1  # runs only while jax traces
+            state, scales = split_scales(state)  # LoRA scales: inputs, not constants (lora_layers)
+            state, args, kwargs, scales = env.j2t_iso((state, args, kwargs, scales))
+            with env, (fused_sdpa if fused_sdpa is not None else contextlib.nullcontext()), scales_as(dit, scales):
                 out = torch.func.functional_call(dit, state, args, {**kwargs, "return_dict": False})[0]
             return env.t2j_iso(out)
 
@@ -182,6 +186,12 @@ class JaxBackend(Backend):
         """``fn(dit, *args)`` as one ``jax.jit`` over the placed weights (``dit`` reparametrised
         with them, as ``functional_call`` does) and the inputs, made once per model and ``fn``
         object; its outputs are JAX arrays on the devices, a forward's inputs as they are."""
+        jargs, _ = self._device_inputs(args, {})
+        return self.function_program(dit, fn)(placed, jargs)
+
+    def function_program(self, dit: torch.nn.Module, fn: Any) -> Any:
+        """The ``jax.jit`` that :meth:`run_function` runs for ``fn``: ``program(placed, tensors)``, made
+        once per model and ``fn``. The compile frontends lower this very program (``.lower``)."""
         import jax
         import torchax
         from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
@@ -195,13 +205,31 @@ class JaxBackend(Backend):
                     return env.t2j_iso(fn(dit, *tensors))
 
             programs[fn] = jax.jit(program)
-        jargs, _ = self._device_inputs(args, {})
-        return programs[fn](placed, jargs)
+        return programs[fn]
+
+    def place_lora(self, dit: torch.nn.Module, placed: dict[str, Any], specs: Mapping[str, Spec]) -> None:
+        """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh again, in
+        ``placed`` itself, and drop the ones no longer in the model; the base weights stay as they
+        are. Same names and shapes (a hotswap) reuse the compiled forward."""
+        import jax
+        import torchax
+
+        from ..lora_layers import BASE, parameter_role
+
+        env = torchax.default_env()
+        params = dict(dit.named_parameters())
+        for name in [n for n in placed if n not in params and parameter_role(n)[1] != BASE]:
+            del placed[name]
+        for name in [n for n in params if n not in placed and ".base_layer." in n]:  # a Linear PEFT wrapped just now
+            placed[name] = placed.pop(name.replace(".base_layer.", "."))
+        for name, spec in specs.items():
+            placed[name] = jax.device_put(env.t2j_copy(params[name].detach()), self.sharding(spec))
+        self.__dict__.get("_program_weights", {}).pop(id(dit), None)  # the cache programs' weight lists
 
     def release(self, dit: torch.nn.Module) -> None:
         self.__dict__.get("_jit_cache", {}).pop(id(dit), None)
         for cache in ("_program_cache", "_program_weights", "_live_programs", "_unit_cache",
-                      "_function_cache"):  # a cached forward's programs and pieces, run_function's programs
+                      "_function_cache", "_step_cache"):  # a cached forward's programs and pieces, run_function's programs
             self.__dict__.get(cache, {}).pop(id(dit), None)
 
     def _device_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -223,8 +251,9 @@ class JaxBackend(Backend):
     def compile(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> Program:
         """The compiled program for these inputs; its partitioned HLO is ``program.text``."""
         jargs, jkwargs = self._device_inputs(args, kwargs)
-        exe = self._jitted(dit).lower(placed, jargs, jkwargs).compile()
-        return Program(lambda: exe(placed, jargs, jkwargs), text=exe.as_text())
+        state = with_scales(dit, placed)
+        exe = self._jitted(dit).lower(state, jargs, jkwargs).compile()
+        return Program(lambda: exe(state, jargs, jkwargs), text=exe.as_text())
 
     def collective_counts(self, program: Program) -> dict[str, int] | None:
         return collective_counts(program.text) if program.text is not None else None
@@ -232,7 +261,7 @@ class JaxBackend(Backend):
     def run_device(self, dit: torch.nn.Module, placed: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """One forward; the output stays a (sharded) JAX array on the devices."""
         jargs, jkwargs = self._device_inputs(args, kwargs)
-        return self._jitted(dit)(placed, jargs, jkwargs)
+        return self._jitted(dit)(with_scales(dit, placed), jargs, jkwargs)
 
     # --- forwards with diffusers' cache hooks: decisions on the host between compiled pieces -----
 
@@ -281,20 +310,21 @@ class JaxBackend(Backend):
 
         def run(name: str, extra: dict) -> dict:
             key = (programs.key, name, signature, jax.tree_util.tree_structure(extra))
-            if key not in compiled:
+            if key not in weights_of:  # dropped when LoRA weights are placed again (place_lora)
                 # Only the weights the program reads: each array passed costs dispatch time on the
                 # host (per device), and a reuse path reads none of the skipped blocks'.
                 skipped = tuple(m + "." for m in programs.skipped_modules(name, extra))
                 weights_of[key] = {k: v for k, v in placed.items() if not k.startswith(skipped)}
-
+            if key not in compiled:
                 def program(state: dict, a: tuple, k: dict, given: dict) -> Any:
-                    state, a, k, given = env.j2t_iso((state, a, k, given))
-                    with env:
+                    state, scales = split_scales(state)
+                    state, a, k, given, scales = env.j2t_iso((state, a, k, given, scales))
+                    with env, scales_as(dit, scales):
                         forward = lambda: torch.func.functional_call(dit, state, a, {**k, "return_dict": False})[0]  # noqa: E731
                         return env.t2j_iso(live[id(dit)].body(name, forward, given))
 
                 compiled[key] = jax.jit(program)
-            return compiled[key](weights_of[key], jargs, jkwargs, extra)
+            return compiled[key](with_scales(dit, weights_of[key]), jargs, jkwargs, extra)
 
         return run
 
@@ -330,7 +360,8 @@ class JaxBackend(Backend):
             leaves, spec = tree_flatten((args, kwargs))
             dynamic = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
             fixed = tuple(None if i in dynamic else x for i, x in enumerate(leaves))
-            key = (name, str(spec), fixed, self.__dict__.get("_cached_forward_key"))
+            # a piece bakes in the LoRA scales it was traced with: they are part of its key
+            key = (name, str(spec), fixed, self.__dict__.get("_cached_forward_key"), tuple(sorted(live_scales(dit).items())))
             try:
                 hash(key)
             except TypeError:  # an unhashable non-tensor input: run this piece op by op
@@ -351,7 +382,43 @@ class JaxBackend(Backend):
 
         return run
 
+    def run_step(self, model: torch.nn.Module, placed: dict[str, Any], fn: Any, *args: Any) -> Any:
+        """A VAE step as one ``jax.jit`` (:meth:`step_program`)."""
+        jargs, _ = self._device_inputs(args, {})
+        return self.step_program(model, fn)(placed, jargs)
+
+    def step_program(self, model: torch.nn.Module, fn: Any) -> Any:
+        """The ``jax.jit`` :meth:`run_step` runs for the step ``fn``: :meth:`function_program` of ``fn``
+        traced with torchax's integer index written as a static slice
+        (:func:`~.frontend_quirks.sliced_integer_indexing`), entered inside torchax's own mode (from
+        outside, torchax would lower the index first). Made once per model and step; the compile
+        frontend lowers this very program."""
+        from .frontend_quirks import sliced_integer_indexing
+
+        steps = self.__dict__.setdefault("_step_cache", {}).setdefault(id(model), {})
+        if fn not in steps:
+            def step(m: torch.nn.Module, *tensors: Any) -> Any:
+                with sliced_integer_indexing():
+                    return fn(m, *tensors)
+
+            steps[fn] = step
+        return self.function_program(model, steps[fn])
+
+    def frontend_hooks(self, model: torch.nn.Module) -> list[Any]:
+        from .frontend_quirks import torch_dtypes
+
+        return torch_dtypes(model)
+
+    def upload(self, tensor: torch.Tensor, spec: Spec) -> Any:
+        """Split on upload: ``jax.device_put`` with the spec's sharding sends each device its piece."""
+        import jax
+        import torchax
+
+        return jax.device_put(torchax.default_env().t2j_copy(tensor), self.sharding(spec))
+
     def to_host(self, out: Any) -> torch.Tensor:
+        """``jax.device_get``: a split array is copied shard by shard (each addressable shard to the
+        host, assembled there), never gathered by a program on the devices."""
         import jax
 
         out = jax.device_get(out)
@@ -366,6 +433,16 @@ class JaxBackend(Backend):
         env["JAX_PLATFORMS"] = "cpu"
         env.pop("TT_COMPILE_ONLY_SYSTEM_DESC", None)
         return env
+
+
+def with_scales(dit: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the LoRA adapters' live scales beside it (``lora_layers.SCALES_KEY``), as
+    float32 inputs: a new scale reuses the compiled program, another set of adapters retraces (the
+    keys are part of the program's input structure). ``state`` itself when no adapter is active."""
+    scales = live_scales(dit)
+    if not scales:
+        return state
+    return {**state, SCALES_KEY: {k: np.float32(v) for k, v in scales.items()}}
 
 
 def placed_bytes_per_device(arrays: list, mesh: Any) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ..lora_layers import live_scales, scales_as
 from ..mesh import MeshSpec
 from ..specs import Spec
 from .base import (Backend, BackendError, compiled_cache_program, input_signature, move_module, slice_bytes,
@@ -100,6 +101,22 @@ class XlaBackend(Backend):
             xs.mark_sharding(param, self.native_mesh, spec)
         return None
 
+    def place_lora(self, dit: torch.nn.Module, placed: Any, specs: Mapping[str, Spec]) -> None:
+        """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh again, each
+        from a host copy (a hotswap or a new adapter may have left it on the host, or written it in
+        place); the base weights stay as they are."""
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
+        torch_xla.sync()  # a hotswap's in-place copies on the devices run as one graph, not one per weight read
+        for name, spec in specs.items():
+            owner, _, attr = name.rpartition(".")
+            module = dit.get_submodule(owner)
+            host = module._parameters[attr].detach().to("cpu")
+            module._parameters[attr] = torch.nn.Parameter(host.to(self.device), requires_grad=module._parameters[attr].requires_grad)
+            xs.mark_sharding(module._parameters[attr], self.native_mesh, spec)
+        self.__dict__.get("_cache_programs", {}).pop(id(dit), None)  # dynamo's guards hold the old parameters
+
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         import torch_xla.distributed.spmd as xs
 
@@ -146,7 +163,18 @@ class XlaBackend(Backend):
         """One forward traced lazily; torch-xla compiles (or reuses, by graph hash) when the output
         is materialised."""
         args, kwargs = self._to_device(args, kwargs)
-        return dit(*args, **kwargs, return_dict=False)[0]
+        with scales_as(dit, self.device_scales(dit)):
+            return dit(*args, **kwargs, return_dict=False)[0]
+
+    def device_scales(self, dit: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The LoRA adapters' live scales as device scalars: data of the traced graph, so a new
+        scale finds the same graph again (as Python numbers, 0 and 1 would be constants baked into
+        the graph, torch-xla's special scalars)."""
+        scales = live_scales(dit)
+        if not scales:
+            return {}
+        values = torch.tensor(list(scales.values()), dtype=torch.float32).to(self.device)
+        return dict(zip(scales, values.unbind()))
 
     def run_function(self, dit: torch.nn.Module, placed: Any, fn: Any, *args: Any) -> Any:
         """``fn(dit, *args)`` traced lazily on the device and materialised at once
@@ -244,8 +272,50 @@ class XlaBackend(Backend):
         if entry is not None and entry[0] is dit:
             del self._cache_programs[id(dit)]
 
+    def step_quirks(self) -> Any:
+        from .frontend_quirks import clamped_negative_slices
+
+        return clamped_negative_slices()
+
+    def frontend_hooks(self, model: torch.nn.Module) -> list[Any]:
+        from .frontend_quirks import lowered_upsample
+
+        return lowered_upsample(model)
+
+    def upload(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
+        """Split on upload: the host tensor handed to the device and marked before any program
+        reads it, so torch-xla transfers each device only its piece (measured: an 8-device split
+        moves the tensor's bytes once, where a replicated upload moves them 8 times)."""
+        import torch_xla.distributed.spmd as xs
+
+        out = tensor.to(self.device)
+        xs.mark_sharding(out, self.native_mesh, spec)
+        return out
+
     def to_host(self, out: Any) -> torch.Tensor:
-        return out.cpu()
+        """A replicated (or not yet sharded) output through ``.cpu()``, which copies one device's
+        copy. A split one shard by shard: ``.cpu()`` of it would run a program that replicates it
+        on every device first (torch-xla's ``ReplicateShardedData``), so each device's piece is
+        copied instead (``_get_local_shards``: no program when the tensor is device data) and
+        the whole assembled on the host, one replica of each piece."""
+        if out.device.type != "xla":  # already a host tensor
+            return out.cpu()
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        if torch_xla._XLAC._get_xla_sharding_type(out) is None:  # not computed yet: its sharding is the program's
+            torch_xla._XLAC._xla_sync_multi([out], [], True, True)
+        if torch_xla._XLAC._get_xla_sharding_type(out) in (None, 0):  # no sharding, or replicated
+            return out.cpu()
+        xm.wait_device_ops()  # the program that made it may still be running (torch-xla executes asynchronously)
+        shards = torch_xla._XLAC._get_local_shards([out])[0]
+        where = torch_xla._XLAC._get_local_shard_replica_and_indices([out])[0]
+        host = torch.empty(out.shape, dtype=out.dtype)
+        for (piece, _), (replica, index) in zip(shards, where):
+            if replica == 0:  # a piece of an uneven split comes padded: cut to its slice
+                index = tuple(index)
+                host[index] = piece[tuple(slice(0, len(range(*i.indices(n)))) for i, n in zip(index, out.shape))]
+        return host
 
     def placed_weight_bytes(self, dit: torch.nn.Module, placed: Any) -> list[int]:
         """Per device, from torch-xla's own record of which piece of each parameter that device

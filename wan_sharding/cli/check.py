@@ -13,6 +13,7 @@ from ..mesh import PRESET_TABLE, PRESET_MACHINES, mesh_from_preset
 from ..models import VARIANTS
 from ..options import CPU_BACKENDS, EXECUTING_BACKENDS, vae_placement
 from . import text_encoder
+from .lora import add_lora, validate_lora
 from .args import (add_cfg, add_component, add_dtype, add_mesh, add_multihost, add_padding, add_patches, add_plan,
                    add_text_encoder, preset, presets, print_settings, stack_missing)
 from .dryrun import dry_run
@@ -45,6 +46,7 @@ def _validate_check(args: argparse.Namespace) -> None:
         if length not in CASE_LATENTS:
             check_rope_length(length, config_for(args.variant)["rope_max_seq_len"], "--lengths")
     check_launch(args, args.backends)
+    validate_lora(args)
     if args.distributed and args.vae == "mesh":
         raise UsageError("--vae mesh with --rank-binding: the VAE's check runs on one host; check the VAE with "
                          "--component vae on one host, or leave --vae out")
@@ -72,14 +74,15 @@ def _check(args: argparse.Namespace) -> int:
         for mesh in args.meshes:
             plan = getattr(args, "cfg_plans", {}).get(mesh, args.plan)
             label = f"{mesh}-cfg2" if plan is not None and plan.cfg_axes else mesh
-            for r in run_in_subprocess(backend, label, cases, plan=plan, distributed=args.distributed):
+            for r in run_in_subprocess(backend, label, cases, plan=plan, distributed=args.distributed,
+                                       lora=args.lora, lora_mode=args.lora_mode):
                 failed |= not r["ok"]
                 header = not rows or rows[-1]["component"] != r["component"]
                 rows.append(r)
                 if not args.json:
                     (text_encoder.print_row if r["component"] == text_encoder.COMPONENT else _print_row)(r, header)
     # --vae mesh (tt's default on one host): the VAE's rows after the DiT's
-    on_mesh = [] if args.distributed else [b for b in args.backends if vae_placement(args.vae, b) == "mesh"]
+    on_mesh = [] if args.distributed or text_encoder.encoder_only(args) else [b for b in args.backends if vae_placement(args.vae, b) == "mesh"]
     if on_mesh:
         vae_args = argparse.Namespace(**{**vars(args), "backends": on_mesh, "json": True})
         if not args.json:
@@ -173,6 +176,7 @@ def add_subcommands(sub: Any) -> None:
     add_dtype(check, "fp32")
     add_padding(check, None)
     add_patches(check)
+    add_lora(check)
     check.add_argument("--json", action="store_true")
     add_multihost(check)
     check.set_defaults(func=_check, validate=_validate_check)

@@ -92,7 +92,7 @@ def default_out(args: argparse.Namespace) -> Path:
         where = args.mesh if args.plan is None else f"plan-{args.plan.name}"
         patches = [EXACT] if set(args.patches) == set(EXACT_PATCHES) else args.patches
         parts = [args.variant, args.size, where, args.latent or args.resolution, f"{args.blocks or 'all'}blk",
-                 args.padding, args.frontend, *patches]
+                 args.padding, args.frontend, *patches, *([f"lora{args.lora_rank}"] if args.lora_rank else [])]
     return DEFAULT_OUT / re.sub(r"[^\w.+]+", "-", "-".join(map(str, parts))).strip("-")
 
 
@@ -154,7 +154,7 @@ def _dit_report(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     fields = dict(
         variant=args.variant, latent=latent, blocks=blocks, size=args.size,
         anchor=not args.no_anchor, dtype=args.dtype, batch=args.batch,
-        frontend=args.frontend, patches=tuple(args.patches),
+        frontend=args.frontend, patches=tuple(args.patches), lora_rank=args.lora_rank or 0,
         composites="none" if args.no_fused_sdpa else args.composites, compile_options=args.compile_options,
         mark_arguments=not args.no_argument_marks,
         resolution=args.resolution if args.latent is None else None,
@@ -250,6 +250,9 @@ def add_subcommands(sub: Any) -> None:
                    help="torchax: the DiT as a JAX function, abstract weights (any depth); torch-xla: the lowering "
                         "Tenstorrent hardware compiles (real weights in host memory: keep full width to a few blocks)")
     add_patches(c)
+    c.add_argument("--lora-rank", type=positive_int, default=None, metavar="R",
+                   help="the DiT carries a rank-R LoRA adapter on every Linear a Wan LoRA targets, split beside its "
+                        "bases: the bill with adapters (docs/lora.md; default none)")
     c.add_argument("--composites", choices=list(COMPOSITE_SETS), default=DEFAULT_COMPOSITES,
                    help="StableHLO composites the trace marks: hardware (default: what tt-xla's torch plugin marks: "
                         "SDPA, RMSNorm, LayerNorm, GELU; docs/compile-hardware.md), sdpa (fused attention only), none")

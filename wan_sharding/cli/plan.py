@@ -77,7 +77,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                compile=not args.no_compile, attention=args.attention, topology=args.topology,
                                work_dir=args.out, timeout=args.timeout, keep=keep, cfg_split=args.cfg_split,
                                progress=progress, rank_binding_name=args.rank_binding,
-                               text_encoder=args.text_encoder == "mesh", vae=args.vae == "mesh")
+                               text_encoder=args.text_encoder == "mesh", vae=args.vae == "mesh",
+                               lora_rank=args.lora_rank or 0)
     except (PlannerError, ValueError, RuntimeError) as e:  # CompileError is a RuntimeError
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))
@@ -144,6 +145,9 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--vae", choices=["mesh", "host"], default="host",
                    help="mesh: the pipeline's VAE runs on the mesh too, its memory per chip counted beside the "
                         "experts' (default host: the experts alone, as plans were made before)")
+    p.add_argument("--lora-rank", type=positive_int, default=None, metavar="R",
+                   help="each expert also holds a rank-R LoRA adapter on every Linear a Wan LoRA targets: its bytes "
+                        "per chip count in the memory (docs/lora.md; default none)")
     p.add_argument("--no-compile", action="store_true", help="stage 1 only (no tt-mlir)")
     p.add_argument("--cfg-split", action="store_true",
                    help="also rank CFG splits (cond and uncond at once on the two halves of an axis, a plan with "

@@ -169,20 +169,25 @@ def bill_from_files(shallow_path: str | Path, deep_path: str | Path, shallow_blo
                           shallow_blocks, deep_blocks, mesh)
 
 
-def design_bill(mesh: MeshSpec | str, prompt_kv: bool = False) -> dict[tuple[str, str, str | None], int]:
+def design_bill(mesh: MeshSpec | str, prompt_kv: bool = False, lora_rank: int = 0) -> dict[tuple[str, str, str | None], int]:
     """The design's per-block bill (``docs/design.md``) as ``{(kind, size, axis): count}``.
 
     TP all-reduces after attn1.to_out, attn2.to_out and ffn.net[2] (3 large) and the RMSNorm stats
     all-reduces of norm_q / norm_k in both attentions (4 small); with SP > 1 also the all-gathers
     of self-attention K and V over SP (2 large): 3 large + 4 small on 1x4, 5 large + 4 small on
     2x4 and 8x4. ``prompt_kv``: the step of a model with that patch, whose cross-attention
-    ``norm_k`` runs once per prompt instead (3 small).
+    ``norm_k`` runs once per prompt instead (3 small). ``lora_rank``: a LoRA on the three
+    row-parallel Linears adds their rank-sized partial sums (3 more all-reduces over TP, tokens x
+    rank: small up to rank 4 by :func:`~.ttnn_ir.is_small`'s rule, large above; ``docs/lora.md``).
     """
     m = as_mesh_spec(mesh)
     bill: dict[tuple[str, str, str | None], int] = {}
     if m.tp > 1:
         bill[("all_reduce", "large", m.tp_axis)] = 3
         bill[("all_reduce", "small", m.tp_axis)] = 3 if prompt_kv else 4
+        if lora_rank:
+            key = ("all_reduce", "small" if lora_rank <= 4 else "large", m.tp_axis)
+            bill[key] += 3
     if m.sp > 1:
         bill[("all_gather", "large", m.sp_axis)] = 2
     return bill
@@ -220,7 +225,7 @@ def design_bytes(config: Mapping[str, Any], mesh: MeshSpec | str, padded_tokens:
 NORM_STATS_KINDS = ("all_reduce", "all_gather", "distributed_rms_norm")
 
 
-def bill_problems(bill: BlockBill, mesh: MeshSpec | str, budget: DesignBytes | None = None,
+def bill_problems(bill: BlockBill, mesh: MeshSpec | str, budget: DesignBytes | None = None, lora_rank: int = 0,
                   prompt_kv: bool = False) -> list[str]:
     """Differences between a measured bill and :func:`design_bill` (``prompt_kv``: that patch's
     step); empty when they agree.
@@ -231,7 +236,7 @@ def bill_problems(bill: BlockBill, mesh: MeshSpec | str, budget: DesignBytes | N
     ``distributed_rms_norm``).
     """
     m = as_mesh_spec(mesh)
-    want = design_bill(m, prompt_kv)
+    want = design_bill(m, prompt_kv, lora_rank)
     got: Counter = Counter()
     for (kind, size, axis), n in bill.by_class().items():
         # The RMSNorm statistics over TP, in whichever form tt-mlir wrote them (plain math: an

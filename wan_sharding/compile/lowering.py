@@ -95,6 +95,10 @@ def _jax_dit(req: CompileRequest, backend: Any) -> tuple:
     dtype = torch_dtype(req.dtype)
     overrides = {} if req.blocks is None else {"num_layers": req.blocks}
     dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides)
+    if req.lora_rank:  # LoRA layers on the meta model: their weights split beside their bases'
+        from ..lora.tiny import add_wan_lora
+
+        add_wan_lora(dit, req.lora_rank)
     # The ordinary composition; on a meta model the jax backend's placement is abstract (shapes and
     # shardings, no weights). With a plan, its roles, FSDP, layout and padding apply.
     handle = shard_dit(dit, req.plan if req.plan is not None else mesh, backend=backend, padding=req.padding,

@@ -60,7 +60,7 @@ def build_report(main: CompileResult, base: CompileResult | None, rank_binding: 
         "build_lower_compile_seconds": main.total_seconds, "rss_mb": main.rss_mb,
         "ttnn_path": main.ttnn_path, "ttir_path": main.ttir_path, "stablehlo_path": main.stablehlo_path,
         "trace_seconds": main.trace_seconds, "trace_rss_mb": main.trace_rss_mb,
-        "design": {f"{k}/{s}/{a}": n for (k, s, a), n in ir_bill.design_bill(mesh, "prompt_kv" in req.patches).items()},
+        "design": {f"{k}/{s}/{a}": n for (k, s, a), n in ir_bill.design_bill(mesh, "prompt_kv" in req.patches, req.lora_rank).items()},
         # CFG parallel: how the plan compiled (one program / per group) and a step's forwards (1; 2 without)
         "cfg": how.to_json(),
     }
@@ -106,7 +106,7 @@ def build_report(main: CompileResult, base: CompileResult | None, rank_binding: 
     # per device: one branch's rows (a cfg program's batch is split over its cfg axis)
     budget = ir_bill.design_bytes(config_for(req.variant, req.size), mesh, main.padded_tokens or main.tokens,
                                   how.branch_batch, req.dtype)
-    problems = ir_bill.bill_problems(bill, mesh, budget, prompt_kv="prompt_kv" in req.patches)
+    problems = ir_bill.bill_problems(bill, mesh, budget, lora_rank=req.lora_rank, prompt_kv="prompt_kv" in req.patches)
     causes = per_block_causes(shallow, module, base.request.num_blocks, req.num_blocks)
     cuts, programs = host_cuts_for(how, rank_binding)
     step = step_figures(shallow, module, base.request.num_blocks, req.num_blocks,

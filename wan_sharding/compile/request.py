@@ -96,6 +96,8 @@ class CompileRequest:
         vocab: the text encoder's vocabulary (``None``: its config's, 256384 full). The torch-xla
             frontend holds the replicated embedding once per virtual device in host memory
             (:meth:`xla_host_bytes`); a smaller table changes only the lookup's table, not a collective.
+        lora_rank: the DiT carries a PEFT LoRA of this rank on every Linear a Wan LoRA targets
+            (:func:`wan_sharding.lora.tiny.add_wan_lora`), split beside its bases; 0: none.
     """
 
     variant: str = "t2v-a14b"
@@ -121,6 +123,7 @@ class CompileRequest:
     component: str = "dit"
     prompt_tokens: int | None = None
     vocab: int | None = None
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patches", tuple(self.patches))

@@ -106,7 +106,12 @@ def _xla_dit(req: CompileRequest, backend: Any) -> tuple:
     dtype = torch_dtype(req.dtype)
     overrides = {} if req.blocks is None else {"num_layers": req.blocks}
     # Uninitialised host weights: a compile reads shapes and dtypes, never values.
-    dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides).to_empty(device="cpu")
+    dit = build_dit(req.variant, req.size, device="meta", dtype=dtype, **overrides)
+    if req.lora_rank:  # LoRA layers, made weightless, then given storage with the rest
+        from ..lora.tiny import add_wan_lora
+
+        add_wan_lora(dit, req.lora_rank)
+    dit = dit.to_empty(device="cpu")
     handle = shard_dit(dit, req.plan if req.plan is not None else mesh, backend=backend, padding=req.padding,
                        patches=req.patches or (), anchor=req.anchor, keep_host_weights=False)
     sp = handle.sp

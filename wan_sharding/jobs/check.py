@@ -73,7 +73,8 @@ class Case:
 
 def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Any], save: Path | None = None,
                       timeout: float = 1200, plan: Any = None,
-                      distributed: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                      distributed: dict[str, Any] | None = None, lora: list[dict[str, Any]] | None = None,
+                      lora_mode: str = "layers") -> list[dict[str, Any]]:
     """Run ``cases`` for one backend on one mesh in a fresh process; returns the result dicts,
     each with ``ok``: PCC at or above the dtype's threshold (``threshold``) and, fp32 on CPU, the
     largest |difference| within ``max_abs_bound`` (:func:`~wan_sharding.jobs.pcc.grade`; on ``tt``
@@ -82,11 +83,14 @@ def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Any], save: Path 
     ``plan``: a ShardingPlan applied instead of the preset's roles (``mesh`` is then its mesh name;
     each case's padding must be the plan's). ``cases``: the DiT's (:class:`Case`) and the text
     encoder's (:class:`~wan_sharding.jobs.text_encoder.EncoderCase`), in any mix: one worker runs them all.
-    ``distributed``: a tt launch over several hosts (:func:`~wan_sharding.jobs.launch.worker_env`)."""
+    ``distributed``: a tt launch over several hosts (:func:`~wan_sharding.jobs.launch.worker_env`).
+    ``lora``: adapters (:class:`~wan_sharding.lora.files.LoraRequest` fields) loaded into each DiT
+    case before it runs, unsharded and sharded; ``lora_mode="fuse"``: merged first."""
     from ..mesh import mesh_from_preset
 
     params = {"backend": backend, "mesh": mesh, "cases": [str(c) for c in cases],
-              "save": None if save is None else str(save), "plan": None if plan is None else plan.to_dict()}
+              "save": None if save is None else str(save), "plan": None if plan is None else plan.to_dict(),
+              "lora": list(lora or []), "lora_mode": lora_mode}
     devices = plan_devices(plan) if plan is not None else mesh_from_preset(mesh).num_devices
     run = run_worker("wan_sharding.jobs.check", params, worker_env(backend, devices, distributed),
                      label=f"{backend} check worker on {mesh}", timeout=timeout, stall_s=stall_seconds(backend))
@@ -102,8 +106,10 @@ def run_in_subprocess(backend: str, mesh: str, cases: Iterable[Any], save: Path 
 # ------------------------------------------------------------------------------------ worker side
 
 
-def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = None, plan: Any = None) -> dict[str, Any]:
-    """Build the tiny DiT, run it unsharded and sharded on this process's devices, compare."""
+def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = None, plan: Any = None,
+             lora: list[dict[str, Any]] | None = None, lora_mode: str = "layers") -> dict[str, Any]:
+    """Build the tiny DiT (with ``lora``'s adapters: the high-noise expert's), run it unsharded and
+    sharded on this process's devices, compare."""
     import torch
 
     from ..compose import shard_dit
@@ -112,6 +118,11 @@ def run_case(backend_name: str, mesh_name: str, case: Case, save: Path | None = 
 
     dtype = torch_dtype(case.dtype)
     dit = build_dit(case.variant, "tiny", dtype=dtype, **case.overrides())
+    if lora:
+        from ..lora.files import LoraRequest
+        from ..lora.load import load_into_dit
+
+        load_into_dit(dit, [LoraRequest(**r) for r in lora], fuse=lora_mode == "fuse")
     inputs = dit_inputs(case.variant, case.latent(), dtype=dtype, batch=case.batch)
     with torch.no_grad():
         if plan is not None and plan.cfg_axes:
@@ -166,7 +177,8 @@ def _job(params: dict[str, Any]):
         if text.startswith(ENCODER_CASE_PREFIX):  # the UMT5 text encoder's cases, in the same worker
             yield run_encoder_case(params["backend"], params["mesh"], EncoderCase.parse(text), save, plan=plan)
         else:
-            yield run_case(params["backend"], params["mesh"], Case.parse(text), save, plan=plan)
+            yield run_case(params["backend"], params["mesh"], Case.parse(text), save, plan=plan,
+                           lora=params.get("lora"), lora_mode=params.get("lora_mode", "layers"))
 
 
 if __name__ == "__main__":

@@ -99,6 +99,11 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     pipe = quiet_progress(build_tiny_pipeline(p["variant"], seed=p["seed"], dtype=dtype) if tiny
                           else load_pipeline(p["model"], dtype))
     variant = p["variant"] if tiny else pipeline_variant(pipe)
+    if p.get("lora"):  # checked by the command; loaded as diffusers loads them, then sharded with them
+        from ..lora.files import LoraRequest
+        from ..lora.load import load_loras
+
+        load_loras(pipe, [LoraRequest(**r) for r in p["lora"]])
     build_s = time.perf_counter() - t0
 
     def kwargs() -> dict[str, Any]:  # fresh generator each call: same seed, same noise
@@ -114,7 +119,8 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     result: dict[str, Any] = {"variant": variant, "model": p.get("model") or "tiny", "dtype": dtype_name,
                               "backend": p["backend"], "mesh": p["mesh"], "padding": p["padding"],
                               "steps": p["steps"], "seed": p["seed"], "frames": req["num_frames"],
-                              "height": req["height"], "width": req["width"], "build_seconds": round(build_s, 3)}
+                              "height": req["height"], "width": req["width"], "build_seconds": round(build_s, 3),
+                              "lora": list(p.get("lora") or []), "lora_mode": p.get("lora_mode", "layers")}
     cache = p.get("cache") or "none"
     latents_of = lambda: pipe(**kwargs(), output_type="latent").frames  # noqa: E731
     result["cache"] = cache
@@ -144,12 +150,14 @@ def _generate(p: dict[str, Any]) -> list[dict[str, Any]]:
     encoder_on_mesh = (p.get("text_encoder") or "host") == "mesh"  # the UMT5 encoder sharded with the experts
     if plan is not None:  # the plan's mesh, roles, FSDP, layout and padding
         handle = shard_pipeline(pipe, plan_mesh_arg(p["backend"], plan), backend=p["backend"], plan=plan,
-                                patches=p.get("patches") or (), text_encoder=encoder_on_mesh, vae=vae_on_mesh)
+                                patches=p.get("patches") or (), text_encoder=encoder_on_mesh, vae=vae_on_mesh,
+                                lora=p.get("lora_mode", "layers"))
         result["memory"] = placed_vs_predicted(handle, plan)
         _print_memory(result["memory"])
     else:
         handle = shard_pipeline(pipe, mesh_arg(p["backend"], p["mesh"]), backend=p["backend"], padding=p["padding"],
-                                patches=p.get("patches") or (), text_encoder=encoder_on_mesh, vae=vae_on_mesh)
+                                patches=p.get("patches") or (), text_encoder=encoder_on_mesh, vae=vae_on_mesh,
+                                lora=p.get("lora_mode", "layers"))
     result["plan"] = None if plan is None else plan.name
     result["patches"] = list(p.get("patches") or ())
     result["shard_seconds"] = round(time.perf_counter() - t, 3)

@@ -1,4 +1,5 @@
-"""``profile``: warm-iteration timing of the sharded DiT or of a whole denoising step.
+"""``profile``: warm-iteration timing of the sharded DiT, of a whole denoising step, or of the
+VAE's decode beside the host's.
 
 The protocol: ``warmup`` iterations (the first compiles), then ``iters`` timed iterations, each a
 forward plus the copy to the host; median / min / max reported, compile time apart. ``dit`` is one
@@ -96,6 +97,12 @@ def _profile(p: dict[str, Any]) -> list[dict[str, Any]]:
     latent = LatentShape(*(int(v) for v in p["latent"].split(","))) if p.get("latent") \
         else LatentShape(*PROFILE_LATENTS[p["resolution"]])
     dit = build_dit(p["variant"], "tiny", dtype=dtype).requires_grad_(False)  # timed as inference
+    if p.get("lora"):  # checked by the command: the high-noise expert's adapters, as generate loads them
+        from ..lora.files import LoraRequest
+        from ..lora.load import load_into_dit
+
+        load_into_dit(dit, [LoraRequest(**r) for r in p["lora"]], fuse=p.get("lora_mode") == "fuse")
+        dit.requires_grad_(False)
     sharding = None
     if p["mesh"] == UNSHARDED:  # the baseline: one device, every weight replicated, no SP hooks, no padding
         backend = get_backend(p["backend"], MeshSpec((1, 1)))

@@ -81,6 +81,7 @@ class PipelineHandle(OnResolved):
     pairs: Any = None  # CFG parallel: the pipeline's GuidancePairs (its encode_prompt wrapper), else None
     text_encoder: ShardedComponent | None = None  # shard_pipeline(..., text_encoder=True)
     vae: ShardedComponent | None = None  # shard_pipeline(..., vae=True)
+    fused: list = field(default_factory=list)  # shard_pipeline(..., lora="fuse"): each expert's FusedLora
     removed: bool = False
 
     @property
@@ -117,6 +118,8 @@ class PipelineHandle(OnResolved):
                     _restore_component(self.pipe, e.name, e.dit, e.config_entry)
             except Exception as exc:  # keep restoring the others, then report
                 errors.append(f"{e.name}: {exc!r}")
+        for f in reversed(self.fused):  # the base weights back, bit for bit, once the experts are on the host
+            f.remove()
         if self.pairs is not None:
             self.pairs.remove()
         _SHARDED.pop(self.pipe, None)

@@ -30,6 +30,7 @@ from ..backends import Backend
 from ..compose import check_dit, resolve, shard_dit
 from ..dit.specs import check_wan_model
 from ..hooks import has_sp
+from ..lora.fuse import fuse_lora_layers
 from ..specs import ShardingError
 from .handle import PipelineHandle, ShardedExpert, register_handle, sharded_handle
 from .stacks import diffusers_without_torch_xla, warn_if_torch_xla_in_jax_process
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 EXPERT_COMPONENTS = ("transformer", "transformer_2")
+LORA_MODES = ("layers", "fuse")
 SUPPORTED_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
 
 
@@ -58,7 +60,7 @@ def _is_wan_pipeline(pipe: Any) -> bool:
 def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                    padding: str | None = None, keep_host_weights: bool = True,
                    patches: Sequence[str] = (), plan: "ShardingPlan | str | Path | None" = None,
-                   text_encoder: bool = False, vae: bool = False) -> PipelineHandle:
+                   text_encoder: bool = False, vae: bool = False, lora: str = "layers") -> PipelineHandle:
     """Shard every expert of a diffusers Wan 2.2 pipeline over ``mesh``; the pipeline is then
     called as usual (``pipe(...)``) and runs each DiT forward on the mesh.
 
@@ -90,6 +92,12 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
         vae: also put the pipeline's VAE on the mesh (:func:`wan_sharding.shard_vae`: frames split
             over H and W, a halo per conv): the decode after denoising and I2V's image encode run
             there. ``False`` (default): the VAE stays on the host.
+
+        lora: how loaded LoRA adapters run (``docs/lora.md``): ``"layers"`` (default) keeps PEFT's
+            layers, each adapter's weights split beside its base's (switchable on the mesh:
+            ``pipe.set_adapters``, ``disable_lora``, ``load_lora_weights(..., hotswap=True)``);
+            ``"fuse"`` merges the active adapters into the base weights first (no extra op per
+            block; ``remove()`` puts the base weights back bit for bit).
 
     Returns:
         A :class:`PipelineHandle`; ``handle.remove()`` (or leaving a ``with`` block) restores the
@@ -126,6 +134,8 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                 f"pipe.{name} already carries sequence-parallel hooks (is it shared with another sharded pipeline, or "
                 "was apply_dit_sp_activation_sharding called on it?); remove those first"
             )
+    if lora not in LORA_MODES:
+        raise ShardingError(f"unknown lora mode {lora!r}; choose one of {', '.join(LORA_MODES)}")
     resolved = resolve(mesh, backend, padding, patches, plan=plan)  # once, for every expert and the encoder
     _validate_experts([dit for _, dit in found], resolved)
     if text_encoder:
@@ -151,9 +161,12 @@ def shard_pipeline(pipe: Any, mesh: Any = None, backend: str | Backend = "jax",
                 continue
             expert = ShardedExpert(name, dit, None, None, entry)
             handle.experts.append(expert)  # from here on, remove() can undo what follows
+            if lora == "fuse":
+                handle.fused.append(fuse_lora_layers(dit))
             expert.sharding = shard_dit(dit, resolved=resolved, keep_host_weights=keep_host_weights)
             h = expert.sharding
-            expert.wrapper = ShardedTransformer(dit, h.backend, h.placed, name, h.padding, sp=h.sp, pairs=handle.pairs)
+            expert.wrapper = ShardedTransformer(dit, h.backend, h.placed, name, h.padding, sp=h.sp, pairs=handle.pairs,
+                                                sharding=h)
             if dit.is_cache_enabled:  # a cache enabled before sharding acts on the mesh too
                 expert.wrapper._adopt_cache()
             done[id(dit)] = expert

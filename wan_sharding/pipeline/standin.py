@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from diffusers import ModelMixin
 
 from ..dit.activation import SPHandle
 from ..backends import Backend
@@ -19,6 +20,7 @@ from ..mesh import MeshSpec
 from ..patches.prompt_kv import prompt_inputs
 from ..specs import ShardingError
 from .guidance import GuidancePairs
+from .lora import LoraStandIn
 
 # Why a step cache and CFG parallel do not go together (one line, with the fix).
 CFG_CACHE_REFUSAL = (
@@ -76,20 +78,24 @@ class ComponentStandIn(torch.nn.Module):
         return self.__deepcopy__({})
 
 
-class ShardedTransformer(ComponentStandIn):
+class ShardedTransformer(LoraStandIn, ComponentStandIn, ModelMixin):
     """Stands in for one expert of a sharded pipeline; ``forward`` runs the real model on the mesh.
 
     Inputs are host tensors (as the pipeline makes them); the output comes back to the host, as a
     tuple with ``return_dict=False`` (what the Wan pipelines ask for) or a
-    ``Transformer2DModelOutput``.
+    ``Transformer2DModelOutput``. A diffusers ``ModelMixin`` with diffusers' LoRA methods
+    (:class:`~.lora.LoraStandIn`), so the pipeline's ``set_adapters`` / ``load_lora_weights`` /
+    ``disable_lora`` reach the sharded expert; every other attribute is the stand-in's own.
     """
 
     def __init__(self, dit: torch.nn.Module, backend: Backend, placed: Any, name: str, padding: str,
-                 sp: SPHandle | None = None, pairs: GuidancePairs | None = None):
+                 sp: SPHandle | None = None, pairs: GuidancePairs | None = None,
+                 sharding: Any = None):
         super().__init__(dit, name)
         # ``pairs``: on a cfg mesh, what runs a step's cond and uncond calls as one forward (shared by
-        # the pipeline's experts).
-        self.__dict__.update(_backend=backend, _placed=placed, padding=padding, calls=0, _sp=sp, _pairs=pairs)
+        # the pipeline's experts); ``sharding``: the expert's DitHandle (LoRA weights placed again).
+        self.__dict__.update(_backend=backend, _placed=placed, padding=padding, calls=0, _sp=sp, _pairs=pairs,
+                             _sharding=sharding)
 
     # --- what the Wan pipelines read ------------------------------------------------------
     @property
@@ -159,7 +165,7 @@ class ShardedTransformer(ComponentStandIn):
         if "attention_kwargs" in kwargs and self._backend.traces_whole_forward:
             raise ShardingError(
                 f"attention_kwargs (a LoRA scale) cannot be passed into the {self._backend.name} backend's compiled "
-                "forward; fuse the LoRA into the weights (pipe.fuse_lora()) before shard_pipeline, or use the xla backend"
+                "forward; set the adapters' weights with pipe.set_adapters(names, weights) instead (they reach it)"
             )
         pairs = self._pairs
         if pairs is not None and not args:  # CFG parallel: the step's cond and uncond calls as one forward
@@ -204,7 +210,7 @@ class ShardedTransformer(ComponentStandIn):
 
     def _release(self) -> None:
         super()._release()
-        self.__dict__.update(_placed=None, _sp=None, _pairs=None)
+        self.__dict__.update(_placed=None, _sp=None, _pairs=None, _sharding=None)
 
     def extra_repr(self) -> str:
         inner = type(self._model).__name__ if self._model is not None else "removed"

@@ -33,7 +33,7 @@ from .hosts import (TP_ACROSS_HOSTS, candidate_cuts, compile_cuts, cross_host_gb
                     ranking_seconds, tp_crosses_hosts)
 from .hardware import Chip, Fabric, chip as chip_for, fabric_for, pair_exchange_seconds, sub_fabric
 from .ir_cost import ATTENTION_MODES
-from .weights import meta_dit, text_encoder_weight_bytes, weight_bytes_per_expert
+from .weights import adapter_bytes_per_expert, meta_dit, text_encoder_weight_bytes, weight_bytes_per_expert
 from .workload import Workload
 
 
@@ -192,7 +192,7 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
                   work_dir: str | Path | None = None, timeout: float = 900.0, max_rounds: int = 3,
                   keep: Callable[[ShardingPlan], bool] | None = None, cfg_split: bool = False,
                   progress: Callable[[str], None] | None = None, rank_binding_name: str | None = None,
-                  text_encoder: bool = False, vae: bool = False) -> PlanReport:
+                  text_encoder: bool = False, vae: bool = False, lora_rank: int = 0) -> PlanReport:
     """Plan the sharding of a Wan 2.2 DiT on a Tenstorrent mesh.
 
     Args:
@@ -227,6 +227,9 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
             beside the experts'. Counted whole for the denoising too (the VAE stays resident; its
             working set is ~0.1-0.5 GB per chip), so a plan is never one that fits only while the
             VAE is idle.
+        lora_rank: each expert also holds a LoRA adapter of this rank on every Linear a Wan LoRA
+            targets (``shard_pipeline`` keeps it as layers): its bytes per chip count beside the
+            expert's (:func:`.weights.adapter_bytes_per_expert`); 0: none.
 
     Returns:
         A :class:`PlanReport`.
@@ -272,7 +275,8 @@ def plan_sharding(mesh: str | Sequence[int] = "8x4", arch: str = "wormhole_b0", 
 
         vae_memory = vae_memory_per_chip(VAE_OF_VARIANT[work.variant], shape[0] * shape[1], work.resolution or "480p")
     budget = chip.usable_dram_bytes - (vae_memory.total if vae_memory is not None else 0.0)
-    cands = build_candidates(work, shape, budget, lambda p: weight_bytes_per_expert(work.variant, p),
+    cands = build_candidates(work, shape, budget,
+                             lambda p: weight_bytes_per_expert(work.variant, p) + adapter_bytes_per_expert(work.variant, p, lora_rank),
                              attention, PHYSICAL_AXIS_NAMES, keep, cfg_split, rejected,
                              text_encoder_weight_bytes if text_encoder else None)
     ordered = stage1(work, cands, chip, fabric, cuts)

@@ -39,6 +39,28 @@ def weight_bytes_per_expert(variant: str, plan: ShardingPlan) -> float:
     return float(predicted_weight_bytes(meta_dit(variant), plan, BF16))
 
 
+@lru_cache(maxsize=8)
+def meta_dit_with_lora(variant: str, rank: int) -> Any:
+    """The full-size ``variant`` on the meta device with a rank-``rank`` PEFT LoRA on every Linear a
+    Wan LoRA targets (the blocks' attention and FFN, the condition embedder, ``proj_out``)."""
+    import torch
+
+    from ..lora.tiny import add_wan_lora
+    from ..models import build_dit
+
+    return add_wan_lora(build_dit(variant, "full", device="meta", dtype=torch.bfloat16), rank)
+
+
+@lru_cache(maxsize=4096)
+def adapter_bytes_per_expert(variant: str, plan: ShardingPlan, rank: int) -> float:
+    """A rank-``rank`` adapter's bytes per chip in bf16 under ``plan`` (its weights split beside
+    their bases': ``wan_sharding.lora_layers``), on the meta model; 0 for rank 0."""
+    if rank <= 0:
+        return 0.0
+    return float(predicted_weight_bytes(meta_dit_with_lora(variant, rank), plan, BF16)
+                 - predicted_weight_bytes(meta_dit(variant), plan, BF16))
+
+
 @lru_cache(maxsize=1)
 def meta_text_encoder() -> Any:
     """The full-size UMT5 encoder on the meta device, built once per process."""
