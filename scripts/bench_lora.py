@@ -150,8 +150,10 @@ def main() -> None:
         tmp.write_text(json.dumps(out, indent=1) + "\n")
         os.replace(tmp, OUT)
 
+    # exactness on some meshes replaces those meshes' rows and keeps the others'
+    kept = [r for r in old.get("exactness", []) if r.get("mesh") not in args.meshes]
     for part in args.only:
-        save(part, exactness(args.meshes, lambda rows: save("exactness", rows)) if part == "exactness"
+        save(part, kept + exactness(args.meshes, lambda rows: save("exactness", kept + rows)) if part == "exactness"
              else globals()[part]())
     print(f"wrote {OUT.relative_to(ROOT)}")
 

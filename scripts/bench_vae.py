@@ -9,8 +9,8 @@ the CPU PCC matrix, and the per-video stage estimates beside tt-metal's publishe
 2. Compile-only (``compile --component vae``): the real Wan 2.1 VAE (A14B) on meta weights, the
    first latent frame's decode step at 480p and 720p on 2x4 and 8x4 with each strategy (``halo``,
    ``halo-permute``, ``annotate``, ``channels``) through torchax; then ``halo`` for both VAEs (the
-   Wan 2.2 VAE of TI2V-5B too), the first step and the steady one (the program every latent frame
-   from the third reuses), through torchax and torch-xla (real, uninitialised weights: a trace
+   Wan 2.2 VAE of TI2V-5B too), the first step, the second and the steady one (the program every
+   latent frame from the third reuses), through torchax and torch-xla (real, uninitialised weights: a trace
    that would not fit this host's memory is reported as skipped).
 3. The CPU PCC matrix (``check --component vae``: both VAEs, decode and encode, padded and not, on
    1x4, 2x4 and 8x4, jax and xla): what the suite's ``slow`` VAE test checks, in full.
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from wan_sharding.runtime.workers import atomic_write, install_signal_handlers  # noqa: E402
+from wan_sharding.runtime.workers import install_signal_handlers  # noqa: E402
 
 MESHES = ("2x4", "8x4")
 RESOLUTIONS = ("480p", "720p")
@@ -68,7 +68,7 @@ def cpu_rows(latent: str, meshes: list[str]) -> list[dict]:
 def compile_rows(arch: str) -> list[dict]:
     from wan_sharding.cli.vae import format_vae_reports
     from wan_sharding.compile import CompileError
-    from wan_sharding.compile.vae import VaeCompileRequest, check_vae_request, compile_vae
+    from wan_sharding.compile.vae import STEPS, VaeCompileRequest, check_vae_request, compile_vae
 
     reports = []
     for resolution in RESOLUTIONS:
@@ -76,7 +76,7 @@ def compile_rows(arch: str) -> list[dict]:
             reqs = []
             for kind in ("wan2.1", "wan2.2"):
                 for frontend in ("torchax", "torch-xla"):
-                    for step in ("first", "steady"):  # one trace of the decode for both (torchax)
+                    for step in STEPS:  # first, second, steady: one trace of the decode for all (torchax)
                         reqs.append(VaeCompileRequest(kind, mesh, resolution, "halo", frontend=frontend, step=step))
                     if kind == "wan2.1" and frontend == "torchax":  # the alternatives, the first step's
                         reqs += [VaeCompileRequest("wan2.1", mesh, resolution, s) for s in STRATEGIES if s != "halo"]
@@ -145,8 +145,11 @@ def main() -> int:
               f"{s['denoising']['seconds']:.0f} s, VAE {s['vae']['seconds']:.2f} s (tt-metal bounds "
               f"{r['tt_metal_bound_s']}, measured {r['tt_metal_measured_s']})", flush=True)
     host = {"machine": platform.machine(), "cpus": __import__("os").cpu_count(), "python": platform.python_version()}
-    atomic_write(Path(args.out) / "stages.json", json.dumps(
-        {"command": command, "date": date, "host": host, "rows": stages}, indent=1) + "\n")
+    import docs_figures  # scripts/, beside this one: the pages quote these files
+
+    # a re-run whose figures are the same leaves the file (and its date) as it was
+    docs_figures.write_result(Path(args.out) / "stages.json",
+                              {"command": command, "date": date, "host": host, "rows": stages})
     result = {"command": command, "date": date, "host": host, "arch": args.arch}
     if not args.skip_cpu:
         result["cpu"] = cpu_rows(args.latent, list(MESHES))
@@ -155,8 +158,6 @@ def main() -> int:
     if not args.skip_check:
         result["check"] = check_rows()
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    import docs_figures  # scripts/, beside this one: the pages quote these files
-
     pages = Path(args.out).resolve() == ROOT / "results"  # the docs quote results/, not another --out
 
     if args.skip_cpu and args.skip_compile and args.skip_check:  # the stage table alone: vae.json stays as it was
@@ -169,7 +170,7 @@ def main() -> int:
         if part not in result and part in old:
             result[part] = old[part]
             result.setdefault("carried_over", {})[part] = old.get("carried_over", {}).get(part, old.get("date"))
-    atomic_write(previous, json.dumps(result, indent=1) + "\n")
+    docs_figures.write_result(previous, result)
     print(f"wrote {args.out}/vae.json and stages.json in {result['seconds']:.0f} s")
     if pages:
         print("\n".join(docs_figures.update(["stages", "vae-strategies", "vae-bills", "vae-check", "vae-cpu"]))

@@ -255,9 +255,22 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _halo(r: dict) -> str:
+    """A compiled step's halo against the neighbour-only minimum, from its collectives (the rule of
+    ``compile.vae.halo_traffic``, so a result written before that rule reads the same way): MiB each
+    chip is handed, MiB it needs (its neighbours' rows), the ratio."""
+    sys.path.insert(0, str(ROOT))
+    from wan_sharding.compile.vae import halo_traffic
+
+    h = halo_traffic([c for c in r["collectives"] if c["kind"] != "mesh_partition"])
+    if not h["halo_bytes"]:
+        return "0.0"
+    return f"{h['halo_bytes'] / 2**20:.1f} / {h['halo_neighbour_bytes'] / 2**20:.1f} ({h['halo_ratio']:.1f}x)"
+
+
 def _bill(r: dict | None) -> str:
-    """One compiled decode step: collectives, largest (and the frame limit when over), halo bytes,
-    all bytes, runtime ops, bill."""
+    """One compiled decode step: collectives, largest (and the frame limit when over), halo bytes
+    against the neighbour-only minimum, all bytes, runtime ops, bill."""
     if r is None:
         return "-"
     if r.get("skipped"):
@@ -267,7 +280,7 @@ def _bill(r: dict | None) -> str:
     largest = _mib(r["largest_collective_bytes"])
     if not r["bill_ok"]:
         largest += f" (frame {_mib(r['frame_limit_bytes'])})"
-    return (f"{r['collective_count']}, {largest}, {r['halo_bytes'] / 2**20:.1f}, {_mib(r['collective_bytes'])}, "
+    return (f"{r['collective_count']}, {largest}, {_halo(r)}, {_mib(r['collective_bytes'])}, "
             f"{r['runtime_ops']}, {'ok' if r['bill_ok'] else '**over**'}")
 
 
@@ -290,7 +303,8 @@ def vae_strategies(root: Path) -> str:
     runs = _vae_compiles(d)
     lines = [f"`python scripts/bench_vae.py` ({_date(d)}, `results/vae.json`), Wan 2.1, the first latent frame's step "
              "at 480p on 2x4, torchax:", "",
-             "| strategy | what it is | tt-mlir | collectives | largest | halo bytes | all bytes | runtime ops | bill |",
+             "| strategy | what it is | tt-mlir | collectives | largest | halo MiB / neighbour-only MiB (ratio) | "
+             "all bytes | runtime ops | bill |",
              "|---|---|---|---|---|---|---|---|---|"]
     for strategy, words in STRATEGY_WORDS.items():
         r = runs.get(("wan2.1", "2x4", "480p", strategy, "torchax", "first"))
@@ -300,7 +314,7 @@ def vae_strategies(root: Path) -> str:
             continue
         kinds = sorted({c["kind"] for c in r["collectives"]} - {"mesh_partition"})
         lines.append(f"| `{strategy}` | {words} | compiles | {r['collective_count']} {', '.join(kinds)} | "
-                     f"{_mib(r['largest_collective_bytes'])} | {_mib(r['halo_bytes'])} | {_mib(r['collective_bytes'])} | "
+                     f"{_mib(r['largest_collective_bytes'])} | {_halo(r)} | {_mib(r['collective_bytes'])} | "
                      f"{r['runtime_ops']} | {'ok' if r['bill_ok'] else 'over'} |")
     return "\n".join(lines)
 
@@ -311,7 +325,7 @@ def vae_bills(root: Path) -> str:
     lines = ["| VAE | mesh | res | step | `halo`, torchax | `halo`, torch-xla | `channels` (tt-xla's), torchax |",
              "|---|---|---|---|---|---|---|"]
     keys = sorted({(k[0], k[2], k[1], k[5]) for k in runs if k[3] == "halo"},
-                  key=lambda k: (k[0], k[1], k[2], k[3] != "first"))
+                  key=lambda k: (k[0], k[1], k[2], ("first", "second", "steady").index(k[3])))
     for kind, res, mesh, step in keys:
         cell = lambda s, f: _bill(runs.get((kind, mesh, res, s, f, step)))  # noqa: E731
         name = {"wan2.1": "Wan 2.1", "wan2.2": "Wan 2.2"}[kind]
@@ -336,12 +350,31 @@ def vae_cpu(root: Path) -> str:
     d = _load(root, "vae.json")
     r0 = d["cpu"][0]
     lines = [f"`python scripts/bench_vae.py` ({_date(d)}, {r0['backend']}, {r0['dtype']}, latent "
-             f"{' x '.join(map(str, r0['latent']))}, warm median per latent frame, `results/vae.json`):", "",
+             f"{' x '.join(map(str, r0['latent']))}, warm median per latent frame of {r0['iters']} decodes after "
+             f"{r0['warmup']} warm-up, `results/vae.json`; each row is `wan-sharding profile --what vae --mesh 2x4 --latent "
+             f"{','.join(map(str, r0['latent']))} --warmup {r0['warmup']} --iters {r0['iters']}` with its mesh, and "
+             "`--variant ti2v-5b` for wan2.2):", "",
              "| VAE | mesh | split | host decode | sharded decode | first sharded call (compiles) |",
              "|---|---|---|---|---|---|"]
     for r in d["cpu"]:
         lines.append(f"| {r['vae']} | {r['mesh']} | {r['split']} | {r['host_per_frame_s']:.2f} s | "
                      f"{r['per_frame_s']:.2f} s | {r['first_iter_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+def text_encoder_cpu(root: Path) -> str:
+    d = _load(root, "text_encoder.json")["timing"]
+    rows = d["rows"]
+    ms = lambda xs: f"{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}"  # noqa: E731
+    lines = [f"`{d['command']}` ({_date(d)}, `results/text_encoder.json` `timing`), the tiny encoder on "
+             f"{rows[0]['mesh']}, medians of {len(rows[0]['host_s'])} warm pairs (their range in brackets), "
+             "milliseconds:", "",
+             "| process (backend) | prompt tokens | pair on the host (eager) | pair on the mesh (warm) | mesh / host | "
+             "first pair on the mesh (compiles) | max-abs vs host |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['backend']} | {r['tokens']} | {r['pair_host_s'] * 1e3:.1f} ({ms(r['host_s'])}) | "
+                     f"{r['pair_mesh_s'] * 1e3:.1f} ({ms(r['mesh_s'])}) | {r['mesh_over_host']:.2f} | "
+                     f"{r['first_pair_mesh_s']:.2f} s | {r['max_abs']:.1e} |")
     return "\n".join(lines)
 
 
@@ -395,6 +428,7 @@ BLOCKS: dict[str, Block] = {
     "vae-check": Block("docs/vae.md", vae_check, "results/vae.json"),
     "vae-cpu": Block("docs/vae.md", vae_cpu, "results/vae.json"),
     "stages": Block("docs/pipeline-stages.md", stages, "results/stages.json"),
+    "text-encoder-cpu": Block("docs/pipeline-stages.md", text_encoder_cpu, "results/text_encoder.json"),
     "causes": Block("docs/compile-hardware.md", causes, "results/hardware.json"),
 }
 
@@ -432,8 +466,31 @@ def update(names: Iterable[str] | None = None, root: Path = ROOT) -> list[str]:
             if m["body"] != body:
                 text = text[:m.start("body")] + body + text[m.end("body"):]
                 changed.append(f"{page}: {name}")
-        path.write_text(text)
+        if any(c.startswith(f"{page}: ") for c in changed):  # a page whose blocks all match stays untouched
+            path.write_text(text)
     return changed
+
+
+def write_result(path: Path, doc: dict, volatile: tuple[str, ...] = ("date",)) -> bool:
+    """Write a benchmark's result ``doc`` to ``path`` as JSON (atomically), unless the file already
+    holds the same document but for its ``volatile`` keys (the run's date): a re-run that only
+    refreshes the date leaves the tracked file, and the pages quoting it, as they were. Returns
+    whether it wrote."""
+    sys.path.insert(0, str(ROOT))
+    from wan_sharding.runtime.workers import atomic_write
+
+    text = json.dumps(doc, indent=1) + "\n"
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = None
+        same = isinstance(old, dict) and ({k: v for k, v in old.items() if k not in volatile}
+                                          == {k: v for k, v in json.loads(text).items() if k not in volatile})
+        if same:
+            return False
+    atomic_write(path, text)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

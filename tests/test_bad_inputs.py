@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from wan_sharding import ShardingError, apply_dit_sp_activation_sharding, shard_text_encoder, shard_vae
+from wan_sharding.mesh import with_cfg
 from wan_sharding.models import build_dit, build_text_encoder, build_vae
 from wan_sharding.pipeline.tiny import PipelineUnavailable, load_pipeline
 from wan_sharding.plan import PlanError, ShardingPlan
@@ -207,7 +208,7 @@ class _Api:
                 "load_pipeline": load_pipeline,
                 "sp_dit": self.sp_dit, "apply_dit_sp_activation_sharding": apply_dit_sp_activation_sharding,
                 "encoder": self.encoder, "shard_text_encoder": shard_text_encoder,
-                "copy": copy, "pickle": pickle, "vae": self.vae, "shard_vae": shard_vae}
+                "copy": copy, "pickle": pickle, "vae": self.vae, "shard_vae": shard_vae, "with_cfg": with_cfg}
 
 
 def _hooks(model) -> int:

@@ -43,7 +43,7 @@ def test_the_settings_line_names_patches_cache_and_cfg(tmp_path):
     from wan_sharding.cli.args import settings_for
 
     args = parse_and_validate(["generate", "--patches", "exact", "--cache", "fbc", "--out", str(tmp_path)])
-    assert settings_for(args) == ("backend: jax; patches: patchify, rope, qkv, rope_tables, prompt_kv, ffn_rows; "
+    assert settings_for(args) == ("backend: jax; patches: patchify, rope, qkv, rope_tables, prompt_kv, ffn_rows, adaln_norm; "
                                   "cache: fbc; cfg: 1; text encoder: host; vae: host")
     args = parse_and_validate(["check", "--cfg", "2", "--backends", "xla", "--patches", "qkv"])
     assert settings_for(args) == ("backend: xla; patches: qkv; cache: none; "
@@ -52,3 +52,8 @@ def test_the_settings_line_names_patches_cache_and_cfg(tmp_path):
     # where the components run: as asked, and --vae's default per backend (mesh on tt)
     args = parse_and_validate(["check", "--backends", "jax", "tt", "--text-encoder", "mesh"])
     assert settings_for(args).endswith("; text encoder: mesh; vae: host (jax), mesh (tt)")
+    # a component's own check runs that component on the mesh and nothing else
+    args = parse_and_validate(["check", "--component", "vae", "--backends", "jax"])
+    assert settings_for(args) == "backend: jax; patches: none; cache: none; cfg: 1; vae: mesh"
+    args = parse_and_validate(["check", "--component", "text-encoder", "--backends", "jax", "tt"])
+    assert settings_for(args) == "backend: jax, tt; patches: none; cache: none; cfg: 1; text encoder: mesh"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,64 @@ def test_an_edited_figure_is_caught(name: str) -> None:
     edited = re.sub(r"\d+\.\d+", lambda m: f"{float(m.group()) + 1:.{len(m.group().split('.')[1])}f}", body, count=1)
     assert edited != body
     assert figures.stale(texts={page: text.replace(body, edited)}) == [f"{page}: {name}"]
+
+
+def test_a_rerun_that_only_refreshes_the_date_rewrites_nothing(tmp_path: Path) -> None:
+    """A benchmark's result (``docs_figures.write_result``) and the pages quoting it
+    (``docs_figures.update``) are left untouched, file and mtime, by a re-run whose figures are the
+    same; a changed figure is written."""
+    import os
+
+    figures = _figures()
+    path = tmp_path / "stages.json"
+    assert figures.write_result(path, {"date": "2026-12-04", "rows": [1.5]})
+    os.utime(path, ns=(1, 1))
+    assert not figures.write_result(path, {"date": "2026-12-06", "rows": [1.5]})
+    assert path.stat().st_mtime_ns == 1 and json.loads(path.read_text())["date"] == "2026-12-04"
+    assert figures.write_result(path, {"date": "2026-12-06", "rows": [1.6]})
+    assert json.loads(path.read_text()) == {"date": "2026-12-06", "rows": [1.6]}
+    root = tmp_path / "root"  # a copy of the repository's pages and results: every block matches
+    for page in {b.page for b in figures.BLOCKS.values()} | {"results"}:
+        (root / page).parent.mkdir(parents=True, exist_ok=True)
+        if page == "results":
+            shutil.copytree(ROOT / "results", root / "results")
+        else:
+            shutil.copy(ROOT / page, root / page)
+            os.utime(root / page, ns=(1, 1))
+    assert figures.update(root=root) == []
+    assert all((root / b.page).stat().st_mtime_ns == 1 for b in figures.BLOCKS.values())
+
+
+def test_profile_what_vae_prints_the_rows_of_its_page() -> None:
+    """``profile --what vae`` prints the columns of docs/vae.md's CPU table, and for the rows
+    ``scripts/bench_vae.py`` got from it (``results/vae.json``) the very cells the page shows; the
+    page names the latent and the command; ``profile --help`` offers the VAE."""
+    import subprocess
+    import sys
+
+    from wan_sharding.jobs.vae_profile import format_vae_row
+
+    figures = _figures()
+    page = (ROOT / "docs" / "vae.md").read_text()
+    block = next(m["body"] for m in figures.MARK.finditer(page) if m["name"] == "vae-cpu")
+    rows = json.loads((ROOT / "results" / "vae.json").read_text())["cpu"]
+    header = next(line for line in block.splitlines() if line.startswith("| VAE"))
+    for r in rows:
+        printed = format_vae_row(r).splitlines()
+        assert f"latent {' x '.join(map(str, r['latent']))}" in printed[0]
+        assert [c for c in re.split(r"\s{2,}", printed[1]) if c] == [c.strip() for c in header.strip("|").split("|")]
+        cells = [c.strip() for c in next(line for line in block.splitlines()
+                                         if line.startswith(f"| {r['vae']} | {r['mesh']} |")).strip("|").split("|")]
+        assert [c for c in re.split(r"\s{2,}", printed[2].strip()) if c] == cells
+    latent = ",".join(map(str, rows[0]["latent"]))
+    assert f"--what vae --latent {latent}" in page and f"--latent {latent} --warmup" in block
+    import argparse
+
+    from wan_sharding.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    help_text = " ".join(sub.choices["profile"].format_help().split())  # what profile --help prints, unwrapped
+    assert "or of the VAE's decode beside the host's" in help_text and "vae: the VAE's decode" in help_text
 
 
 def _sample_outputs() -> list[tuple[str, str, str]]:

@@ -205,10 +205,11 @@ def serving(store: Path, *extra: str, ready: Callable[[Server], object] = Server
 
 @pytest.fixture(scope="module")
 def server(store):
-    # the UMT5 text encoder sharded with the experts (the other serve tests' servers keep it on the host)
+    # the UMT5 text encoder and the VAE sharded with the experts (the other serve tests' servers keep
+    # them on the host)
     # short header / body timeouts and a small connection cap: tests/test_serve.py's slow clients
     # --max-tokens 64: a request of the default 32x32 frame over 61 frames is refused by the token limit
-    yield from serving(store, "--queue", "1", "--text-encoder", "mesh", "--max-tokens", "64", *GUARDS)
+    yield from serving(store, "--queue", "1", "--text-encoder", "mesh", "--vae", "mesh", "--max-tokens", "64", *GUARDS)
 
 
 @pytest.fixture(scope="module")
@@ -391,6 +392,25 @@ def test_a_repeated_prompt_reuses_its_embeddings(server, reference):
     assert after["entries"] >= 2 and 0 < after["bytes"] <= after["max_bytes"] == 256 * 2**20
     assert after["bytes"] == after["entries"] * (16 * 32 * 4 + 32)  # tiny fp32 embeddings (16 tokens x 32), 32-byte keys
     assert server.video(first["id"]) == server.video(again["id"])
+
+
+def _vae_calls(text: str) -> dict[str, int]:
+    """worker 0's VAE calls on the mesh in a /metrics text."""
+    found = re.findall(r'^wan_sharding_vae_mesh_(\w+)s_total\{worker="0",[^}]*\} (\d+)$', text, re.M)
+    return {k: int(v) for k, v in found}
+
+
+def test_serve_vae_mesh_decodes_each_job_on_the_mesh(server, reference):
+    """``serve --vae mesh`` reaches the worker: its pipeline's VAE is the sharded one, and each job's
+    video is decoded by it (one more mesh decode per job in /metrics; the warm-up made the first)."""
+    server.wait_healthy()
+    info = server.http.get("/health").json()["worker"]
+    assert info["vae"]["placement"] == "mesh" and info["vae"]["mesh_decodes"] == 1  # the warm-up's
+    before = _vae_calls(server.http.get("/metrics").text)
+    done = server.wait(server.post({**REQUEST, "seed": 11}).json()["id"])
+    after = _vae_calls(server.http.get("/metrics").text)
+    assert done["status"] == "completed"
+    assert before["decode"] >= 2 and after == {"decode": before["decode"] + 1, "encode": 0}  # T2V: no encode
 
 
 # ---- issue 48: a server that stays up and tells the truth ---------------------------------------

@@ -442,7 +442,9 @@ GRAPH_CASES = ["t2v-a14b:fp32:mask", "t2v-a14b:fp32:slice", "t2v-a14b:bf16:mask"
 MODELS = 10  # more than dynamo's recompile limit (8)
 
 
-def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tuple[str, ...] = ()) -> dict:
+def run_standin(script: str, args: list[str], devices: int) -> dict:
+    """``python tests/<script> ARGS...`` in a torch-xla CPU process of ``devices`` devices (the
+    stand-ins' process); the JSON object it prints after ``RESULT``."""
     import json
     import subprocess
     from pathlib import Path
@@ -450,17 +452,20 @@ def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tu
     from wan_sharding.runtime import scratch
     from wan_sharding.jobs.launch import worker_env
 
-    script = Path(__file__).with_name("tt_graphs.py")
     tmp = scratch.worker_tmpdir()  # as the worker runner gives a worker: dynamo's caches go with it
     try:
-        proc = subprocess.run([sys.executable, str(script), preset, parts, str(models), *cases],
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *args],
                               env={**worker_env("xla", devices), "TMPDIR": str(tmp)}, capture_output=True, text=True,
-                              timeout=900)
+                              timeout=1200)
     finally:
         scratch.remove(tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):])
+
+
+def _tt_graphs(preset: str, devices: int, parts: str, models: int = 0, cases: tuple[str, ...] = ()) -> dict:
+    return run_standin("tt_graphs.py", [preset, parts, str(models), *cases], devices)
 
 
 @pytest.fixture(scope="module")

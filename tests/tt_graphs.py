@@ -9,8 +9,9 @@ them (``python_package/tt_torch/custom_ops.py``, ``python_package/torch_plugin_t
   constraint for real on torch-xla SPMD (the partition spec read back from the Shardy string,
   ``xs.annotate_custom_sharding`` on a copy), where the real one emits the
   ``tt.sharding_constraint`` custom call tt-mlir reads;
-- a ``torch.compile`` backend named ``"tt"`` that records each graph dynamo hands it (and the
-  constraint ops in it) and runs the graph as it is, on torch-xla's lazy tensors;
+- a ``torch.compile`` backend named ``"tt"`` that records each graph dynamo hands it (the
+  constraint ops in it, its inputs and its own parameters) and runs the graph as it is, on
+  torch-xla's lazy tensors (a constraint run while no graph runs is counted as eager);
 - ``torch._dynamo.config.inline_inbuilt_nn_modules = False``, as ``torch_plugin_tt`` sets it.
 
 Everything else is real: stock torch-xla SPMD on 8 CPU devices, the real ``TTBackend``
@@ -39,20 +40,25 @@ from torch._dynamo import register_backend
 
 torch._dynamo.config.inline_inbuilt_nn_modules = False  # what torch_plugin_tt sets
 
-EAGER_CALLS: list[str] = []  # the constraint op's executions (eager runs)
+EAGER_CALLS: list[str] = []  # the constraint op's executions outside a compiled graph (eager runs)
+RUNNING: list[int] = [0]  # compiled graphs running now (their constraints are not eager)
 GRAPHS: list[list[str]] = []  # one entry per graph dynamo compiled: its constraints' sdy strings (pins apart)
 PINS: list[list[list[str]]] = []  # per graph: per rms_norm node, the sdy strings of its pins
 NORMS: list[int] = []  # per graph: rms_norm nodes (call_function or an nn.RMSNorm call_module)
 MESH: list = []  # the torch-xla mesh the constraints apply on
+PLACEHOLDERS: list[int] = []  # per graph: its inputs (what tt-xla marks ``input``)
+PARAMETERS: list[int] = []  # per graph: the weights it holds as its own (what tt-xla marks ``parameter``)
 
 
 @torch.library.custom_op("tt::sharding_constraint", mutates_args=[], device_types=["cpu", "xla"])
 def sharding_constraint(tensor: torch.Tensor, sdy_sharding: str) -> torch.Tensor:
-    EAGER_CALLS.append(sdy_sharding)
+    if not RUNNING[0]:
+        EAGER_CALLS.append(sdy_sharding)
     out = tensor.clone()
     if out.device.type == "xla":
-        dims = re.findall(r'\{(?:"mesh_idx_(\d+)")?\}', sdy_sharding.split("@mesh, ", 1)[1])
-        spec = tuple(MESH[0].axis_names[int(d)] if d else None for d in dims)
+        dims = [re.findall(r'"mesh_idx_(\d+)"', d) for d in re.findall(r"\{([^{}]*)\}", sdy_sharding.split("@mesh, ", 1)[1])]
+        names = MESH[0].axis_names
+        spec = tuple(None if not d else names[int(d[0])] if len(d) == 1 else tuple(names[int(i)] for i in d) for d in dims)
         xs.annotate_custom_sharding(out, MESH[0], spec)
     return out
 
@@ -64,8 +70,13 @@ def _(tensor: torch.Tensor, sdy_sharding: str) -> torch.Tensor:
 
 def sharding_constraint_tensor(input, mesh, partition_spec, unreduced=None):
     """The stand-in of ``tt_torch.sharding.sharding_constraint_tensor``: the Shardy string as its
-    docstring documents it (mesh axis i named ``mesh_idx_<i>``), then the custom op."""
-    dims = ", ".join("{}" if a is None else '{"mesh_idx_%d"}' % mesh.axis_names.index(a) for a in partition_spec)
+    docstring documents it (mesh axis i named ``mesh_idx_<i>``, a dim over several axes naming each),
+    then the custom op."""
+    def dim(a) -> str:  # several axes on one dim (the VAE's folded shards): each named, as tt_torch does
+        axes = () if a is None else (a,) if isinstance(a, str) else a
+        return "{" + ", ".join('"mesh_idx_%d"' % mesh.axis_names.index(x) for x in axes) + "}"
+
+    dims = ", ".join(dim(a) for a in partition_spec)
     return torch.ops.tt.sharding_constraint(input, f"#sdy.sharding_per_value<[<@mesh, [{dims}]>]>")
 
 
@@ -103,7 +114,17 @@ def counting_backend(gm: torch.fx.GraphModule, example_inputs):
     GRAPHS.append([str(n.args[1]) for n in gm.graph.nodes if _is_constraint(n) and n not in pinned])
     PINS.append(pins)
     NORMS.append(len(norms))
-    return gm.forward
+    PLACEHOLDERS.append(sum(n.op == "placeholder" for n in gm.graph.nodes))
+    PARAMETERS.append(len(list(gm.parameters())))
+
+    def run(*args):
+        RUNNING[0] += 1
+        try:
+            return gm.forward(*args)
+        finally:
+            RUNNING[0] -= 1
+
+    return run
 
 
 def _backend(preset: str):

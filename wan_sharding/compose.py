@@ -165,7 +165,7 @@ class OnResolved:
         return self.resolved.plan
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # the generated repr would print the whole model and its placed weights
 class ShardHandle(OnResolved):
     """What sharding one model did (any component: the DiT, the VAE, the text encoder);
     ``remove()`` undoes all of it, in reverse of :func:`shard_module`'s order.
@@ -198,6 +198,12 @@ class ShardHandle(OnResolved):
         if self.rewrites is not None:
             self.rewrites.remove()
         self.removed = True
+
+    def __repr__(self) -> str:
+        """One short line: the handle, the model's class, the mesh and backend, and whether it was
+        removed (``describe()`` has the rest)."""
+        state = ", removed" if self.removed else ""
+        return f"{type(self).__name__}({type(self.model).__name__} on {self.mesh.name}, {self.backend.name}{state})"
 
     def __enter__(self) -> "ShardHandle":
         return self
@@ -251,7 +257,7 @@ def shard_module(model: torch.nn.Module, resolved: Resolved, specs_of: Callable[
     return handle
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class DitHandle(ShardHandle):
     """What :func:`shard_dit` did to one DiT; ``remove()`` undoes all of it, in reverse.
 

@@ -234,6 +234,18 @@ TINY_VAE_CONFIGS: dict[str, dict[str, Any]] = {
 VAE_OF_VARIANT = {"t2v-a14b": "wan2.1", "i2v-a14b": "wan2.1", "ti2v-5b": "wan2.2"}
 
 
+# The video frames of the two resolutions (height, width), as the Wan 2.2 pipelines make them.
+VIDEO_PIXELS = {"480p": (480, 832), "720p": (720, 1280)}
+
+
+def vae_latent_hw(kind: str, resolution: str) -> tuple[int, int]:
+    """The latent frame of ``resolution``'s video for the VAE ``kind`` (its spatial compression:
+    8x for Wan 2.1, 16x for Wan 2.2)."""
+    h, w = VIDEO_PIXELS[resolution]
+    scale = vae_config(kind, "full").get("scale_factor_spatial", 8)
+    return h // scale, w // scale
+
+
 def vae_config(kind: str, size: str = "tiny") -> dict[str, Any]:
     table = {"tiny": TINY_VAE_CONFIGS, "full": FULL_VAE_CONFIGS}.get(size)
     if table is None:

@@ -80,7 +80,9 @@ class Backend(abc.ABC):
         raise BackendError(f"the {self.name} backend cannot execute here")
 
     def to_host(self, out: Any) -> torch.Tensor:
-        """A device output as a host (CPU) tensor."""
+        """A device output as a host (CPU) tensor; a split output leaves shard by shard, each
+        device's piece copied to the host and the whole assembled there (no program gathers it
+        on the devices)."""
         raise BackendError(f"the {self.name} backend cannot execute here")
 
     def run_function(self, dit: torch.nn.Module, placed: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -89,6 +91,30 @@ class Backend(abc.ABC):
         the weights :meth:`place` put there and host tensors in ``args``; its outputs stay on the
         devices, ready to be passed into a forward. Compiled once per model and ``fn`` object."""
         raise BackendError(f"the {self.name} backend cannot execute here")
+
+    def run_step(self, model: torch.nn.Module, placed: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(model, *args)`` as one compiled program of its own (a VAE decode or encode step),
+        made once per model, ``fn`` object and input signature; ``args`` host tensors or what
+        :meth:`upload` and earlier steps left on the devices, the outputs left there. By default
+        :meth:`run_function`; the ``tt`` backend compiles it as it compiles a forward."""
+        return self.run_function(model, placed, fn, *args)
+
+    def step_quirks(self) -> Any:
+        """The context a VAE step is traced in, for what this backend's frontend lowers unlike
+        torch (:mod:`.frontend_quirks`); none by default."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def frontend_hooks(self, model: torch.nn.Module) -> list[Any]:
+        """Per-instance hooks on the VAE ``model`` for what this backend's frontend lowers unlike
+        torch (:mod:`.frontend_quirks`), installed after the VAE's own; their handles, to remove."""
+        return []
+
+    def upload(self, tensor: torch.Tensor, spec: Spec) -> Any:
+        """A host tensor onto the mesh split as ``spec``: each device gets its own piece, not the
+        whole tensor. By default the host tensor itself (the program then takes it replicated)."""
+        return tensor
 
     def run(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Run one forward of ``dit`` on the mesh and return the output on the host (CPU)."""
@@ -271,3 +297,19 @@ def compiled_cache_program(programs: Any, name: str, dit: torch.nn.Module, backe
     code = program.__code__.replace(co_name=f"{name}_program")
     fn = types.FunctionType(code, program.__globals__, code.co_name, program.__defaults__, program.__closure__)
     return torch.compile(fn, backend=backend, dynamic=False)
+
+
+def compiled_step_program(fn: Callable[..., Any], model: torch.nn.Module, backend: str, name: str) -> Callable[..., Any]:
+    """``fn(model, *args)`` through ``torch.compile(backend=backend, dynamic=False)``, with a code
+    object of its own named ``name`` (dynamo keeps its compiled entries, and counts its recompile
+    limit, per code object). ``model`` is a free variable of the compiled function, not an
+    argument: dynamo then makes its weights attributes of the graph (its parameters), and only
+    ``args`` its inputs."""
+    import types
+
+    def program(*args: Any) -> Any:
+        return fn(model, *args)
+
+    code = program.__code__.replace(co_name=name)
+    compiled = types.FunctionType(code, program.__globals__, name, program.__defaults__, program.__closure__)
+    return torch.compile(compiled, backend=backend, dynamic=False)

@@ -186,6 +186,12 @@ class JaxBackend(Backend):
         """``fn(dit, *args)`` as one ``jax.jit`` over the placed weights (``dit`` reparametrised
         with them, as ``functional_call`` does) and the inputs, made once per model and ``fn``
         object; its outputs are JAX arrays on the devices, a forward's inputs as they are."""
+        jargs, _ = self._device_inputs(args, {})
+        return self.function_program(dit, fn)(placed, jargs)
+
+    def function_program(self, dit: torch.nn.Module, fn: Any) -> Any:
+        """The ``jax.jit`` that :meth:`run_function` runs for ``fn``: ``program(placed, tensors)``, made
+        once per model and ``fn``. The compile frontends lower this very program (``.lower``)."""
         import jax
         import torchax
         from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
@@ -199,8 +205,7 @@ class JaxBackend(Backend):
                     return env.t2j_iso(fn(dit, *tensors))
 
             programs[fn] = jax.jit(program)
-        jargs, _ = self._device_inputs(args, {})
-        return programs[fn](placed, jargs)
+        return programs[fn]
 
     def place_lora(self, dit: torch.nn.Module, placed: dict[str, Any], specs: Mapping[str, Spec]) -> None:
         """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh again, in
@@ -224,7 +229,7 @@ class JaxBackend(Backend):
     def release(self, dit: torch.nn.Module) -> None:
         self.__dict__.get("_jit_cache", {}).pop(id(dit), None)
         for cache in ("_program_cache", "_program_weights", "_live_programs", "_unit_cache",
-                      "_function_cache"):  # a cached forward's programs and pieces, run_function's programs
+                      "_function_cache", "_step_cache"):  # a cached forward's programs and pieces, run_function's programs
             self.__dict__.get(cache, {}).pop(id(dit), None)
 
     def _device_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -377,7 +382,43 @@ class JaxBackend(Backend):
 
         return run
 
+    def run_step(self, model: torch.nn.Module, placed: dict[str, Any], fn: Any, *args: Any) -> Any:
+        """A VAE step as one ``jax.jit`` (:meth:`step_program`)."""
+        jargs, _ = self._device_inputs(args, {})
+        return self.step_program(model, fn)(placed, jargs)
+
+    def step_program(self, model: torch.nn.Module, fn: Any) -> Any:
+        """The ``jax.jit`` :meth:`run_step` runs for the step ``fn``: :meth:`function_program` of ``fn``
+        traced with torchax's integer index written as a static slice
+        (:func:`~.frontend_quirks.sliced_integer_indexing`), entered inside torchax's own mode (from
+        outside, torchax would lower the index first). Made once per model and step; the compile
+        frontend lowers this very program."""
+        from .frontend_quirks import sliced_integer_indexing
+
+        steps = self.__dict__.setdefault("_step_cache", {}).setdefault(id(model), {})
+        if fn not in steps:
+            def step(m: torch.nn.Module, *tensors: Any) -> Any:
+                with sliced_integer_indexing():
+                    return fn(m, *tensors)
+
+            steps[fn] = step
+        return self.function_program(model, steps[fn])
+
+    def frontend_hooks(self, model: torch.nn.Module) -> list[Any]:
+        from .frontend_quirks import torch_dtypes
+
+        return torch_dtypes(model)
+
+    def upload(self, tensor: torch.Tensor, spec: Spec) -> Any:
+        """Split on upload: ``jax.device_put`` with the spec's sharding sends each device its piece."""
+        import jax
+        import torchax
+
+        return jax.device_put(torchax.default_env().t2j_copy(tensor), self.sharding(spec))
+
     def to_host(self, out: Any) -> torch.Tensor:
+        """``jax.device_get``: a split array is copied shard by shard (each addressable shard to the
+        host, assembled there), never gathered by a program on the devices."""
         import jax
 
         out = jax.device_get(out)

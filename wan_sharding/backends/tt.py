@@ -25,7 +25,7 @@ import torch
 
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import BackendError, compiled_cache_program, input_signature, with_xla_flags
+from .base import BackendError, compiled_cache_program, compiled_step_program, input_signature, with_xla_flags
 from .tt_norms import NormPins, norm_pin_refusal
 from .tt_options import COMPILE_OPTIONS_ENV, FIELD_KEYS, PLUGIN_OPTIONS, TTCompileOptions, TTOptionsError  # noqa: F401
 from .xla import XlaBackend
@@ -283,6 +283,40 @@ class TTBackend(XlaBackend):
                 f"{len(self._compiled[id(dit)][1])} input signatures compiled; release() models and shapes no longer "
                 "run, or raise torch._dynamo.config.recompile_limit before the first compile"
             ) from None
+
+    def frontend_hooks(self, model: torch.nn.Module) -> list[Any]:
+        """torch-xla's (the ``xla`` backend's) and dynamo's: a cached tensor compared with a string
+        (:func:`~.frontend_quirks.cache_string_compare`)."""
+        from .frontend_quirks import cache_string_compare
+
+        return [*super().frontend_hooks(model), *cache_string_compare(model)]
+
+    def run_step(self, model: torch.nn.Module, placed: Any, fn: Any, *args: Any) -> Any:
+        """A VAE step (``fn(model, *args)``) as the DiT's forward is run: ``torch.compile(...,
+        backend="tt", dynamic=False)`` with the same compile options, once per model, step
+        function and input signature, so every sharding constraint of the step is inside one
+        graph and the model's weights reach it as the graph's parameters (what tt-xla's backend
+        marks ``parameter`` and hoists into const-eval), the step's inputs as its inputs. Each
+        step function gets a code object of its own (:func:`compiled_step_program`): dynamo's
+        recompile limit counts per code object. Kept with the model's compiled forwards
+        (``release`` drops them); the outputs stay on the devices."""
+        import torch._dynamo
+        import torch_xla
+
+        args, _ = self._to_device(args, {})
+        entry = self._compiled.get(id(model))
+        if entry is None or entry[0] is not model:
+            entry = self._compiled[id(model)] = (model, {})
+        key = ("step", fn, input_signature(args))
+        compiled = entry[1].get(key)
+        if compiled is None:
+            _apply_compile_options(self.compile_options.to_torch_xla())
+            compiled = entry[1][key] = compiled_step_program(fn, model, "tt", f"step{len(entry[1])}")
+            self.compiles += 1
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            out = compiled(*args)
+        torch_xla.sync()  # device data for the next step and the host (on tt the graph's outputs already are)
+        return out
 
     def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """A forward with diffusers' cache hooks live. A block cache (FirstBlockCache, MagCache)

@@ -272,8 +272,50 @@ class XlaBackend(Backend):
         if entry is not None and entry[0] is dit:
             del self._cache_programs[id(dit)]
 
+    def step_quirks(self) -> Any:
+        from .frontend_quirks import clamped_negative_slices
+
+        return clamped_negative_slices()
+
+    def frontend_hooks(self, model: torch.nn.Module) -> list[Any]:
+        from .frontend_quirks import lowered_upsample
+
+        return lowered_upsample(model)
+
+    def upload(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
+        """Split on upload: the host tensor handed to the device and marked before any program
+        reads it, so torch-xla transfers each device only its piece (measured: an 8-device split
+        moves the tensor's bytes once, where a replicated upload moves them 8 times)."""
+        import torch_xla.distributed.spmd as xs
+
+        out = tensor.to(self.device)
+        xs.mark_sharding(out, self.native_mesh, spec)
+        return out
+
     def to_host(self, out: Any) -> torch.Tensor:
-        return out.cpu()
+        """A replicated (or not yet sharded) output through ``.cpu()``, which copies one device's
+        copy. A split one shard by shard: ``.cpu()`` of it would run a program that replicates it
+        on every device first (torch-xla's ``ReplicateShardedData``), so each device's piece is
+        copied instead (``_get_local_shards``: no program when the tensor is device data) and
+        the whole assembled on the host, one replica of each piece."""
+        if out.device.type != "xla":  # already a host tensor
+            return out.cpu()
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        if torch_xla._XLAC._get_xla_sharding_type(out) is None:  # not computed yet: its sharding is the program's
+            torch_xla._XLAC._xla_sync_multi([out], [], True, True)
+        if torch_xla._XLAC._get_xla_sharding_type(out) in (None, 0):  # no sharding, or replicated
+            return out.cpu()
+        xm.wait_device_ops()  # the program that made it may still be running (torch-xla executes asynchronously)
+        shards = torch_xla._XLAC._get_local_shards([out])[0]
+        where = torch_xla._XLAC._get_local_shard_replica_and_indices([out])[0]
+        host = torch.empty(out.shape, dtype=out.dtype)
+        for (piece, _), (replica, index) in zip(shards, where):
+            if replica == 0:  # a piece of an uneven split comes padded: cut to its slice
+                index = tuple(index)
+                host[index] = piece[tuple(slice(0, len(range(*i.indices(n)))) for i, n in zip(index, out.shape))]
+        return host
 
     def placed_weight_bytes(self, dit: torch.nn.Module, placed: Any) -> list[int]:
         """Per device, from torch-xla's own record of which piece of each parameter that device

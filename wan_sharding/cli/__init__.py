@@ -34,7 +34,13 @@ DEBUG_ENV = "WAN_SHARDING_DEBUG"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its errors on one line (the usage block stays behind ``--help``)."""
+    """argparse with its errors on one line (the usage block stays behind ``--help``), and no
+    abbreviated options: ``--vae`` must never be read as ``--vae-kind`` (the subcommands' parsers
+    are this class too)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -83,9 +83,12 @@ def settings_for(args: argparse.Namespace) -> str:
     cfg = 2 if plan is not None and plan.cfg_axes else getattr(args, "cfg", 1)
     backends = args.backends if hasattr(args, "backends") else [args.backend]
     places = {}
-    if hasattr(args, "text_encoder"):
+    component = getattr(args, "component", "dit")
+    if component in ("vae", "text-encoder"):  # a component's own check: that component on the mesh, nothing else
+        places = {"vae" if component == "vae" else "text encoder": "mesh"}
+    elif hasattr(args, "text_encoder"):
         places["text encoder"] = args.text_encoder
-    if hasattr(args, "vae"):  # per backend where its default differs (mesh on tt, host on the CPU backends)
+    if hasattr(args, "vae") and component == "dit":  # per backend where its default differs (mesh on tt, host on CPU)
         where = {b: vae_placement(args.vae, b) for b in backends}
         places["vae"] = (next(iter(where.values())) if len(set(where.values())) == 1
                          else ", ".join(f"{w} ({b})" for b, w in where.items()))

@@ -82,7 +82,7 @@ def _check(args: argparse.Namespace) -> int:
                 if not args.json:
                     (text_encoder.print_row if r["component"] == text_encoder.COMPONENT else _print_row)(r, header)
     # --vae mesh (tt's default on one host): the VAE's rows after the DiT's
-    on_mesh = [] if args.distributed else [b for b in args.backends if vae_placement(args.vae, b) == "mesh"]
+    on_mesh = [] if args.distributed or text_encoder.encoder_only(args) else [b for b in args.backends if vae_placement(args.vae, b) == "mesh"]
     if on_mesh:
         vae_args = argparse.Namespace(**{**vars(args), "backends": on_mesh, "json": True})
         if not args.json:

@@ -20,7 +20,7 @@ from .args import (add_cache, add_cfg, add_dtype, add_mesh, add_multihost, add_o
                    add_plan, add_text_encoder, print_settings, stack_missing)
 from .dryrun import dry_run
 from .lora import add_lora, validate_lora
-from .vae import add_vae_placement
+from .vae import add_vae_placement, check_vae_frame
 from .launch import binding_mesh, check_launch
 from .validate import apply_plan, check_generate, check_profile
 
@@ -39,6 +39,7 @@ def _validate_generate(args: argparse.Namespace) -> None:
     args.vae = vae_placement(args.vae, args.backend)
     apply_plan(args, binding_mesh(args, "2x4"))
     check_generate(args)
+    check_vae_frame(args)
     validate_lora(args)
     check_video_format(args.video_format)
     text_encoder.validate_pipeline(args)
@@ -126,7 +127,7 @@ def add_subcommands(sub: Any) -> None:
                         "the decoded video with --vae mesh)")
     g.set_defaults(func=_generate, validate=_validate_generate)
 
-    p = sub.add_parser("profile", help="warm-iteration timing of the sharded DiT or denoising step",
+    p = sub.add_parser("profile", help="warm-iteration timing of the sharded DiT, denoising step or VAE decode",
                        description=PROFILE_DOC.split("\n\n")[0])
     add_mesh(p, None, UNSHARDED, help=f"a preset, or '{UNSHARDED}' (one device, no TP/SP: the baseline); default 2x4, "
                                        "or the plan's")
@@ -135,7 +136,7 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--backend", default="jax", choices=list(EXECUTING_BACKENDS), help=f"{BACKEND_HELP} (default jax)")
     p.add_argument("--what", nargs="+", default=["dit"], choices=list(WHAT),
                    help="dit: one DiT forward; step: cond + uncond forward, CFG, scheduler step; vae: the VAE's "
-                        "decode of the latent, sharded beside the host's")
+                        "decode of the latent, sharded beside the host's (docs/vae.md's CPU table: --latent 3,16,24)")
     p.add_argument("--variant", default="t2v-a14b", choices=VARIANTS)
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations (the first compiles)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations")

@@ -17,7 +17,7 @@ from .dryrun import dry_run
 from .pipeline import add_pipeline_source, worker_params
 from .launch import binding_mesh, check_launch
 from .lora import add_serve_lora, validate_lora
-from .vae import add_vae_placement
+from .vae import add_vae_placement, check_vae_frame
 from .validate import (
     REQUEST_FLAGS,
     UsageError,
@@ -45,6 +45,7 @@ def check_serve(args: argparse.Namespace) -> None:
     if args.model is not None:
         model_dir(args.model)
     check_video(args.frames, args.height, args.width, args.variant, args.model)
+    check_vae_frame(args)
     text_encoder.validate_pipeline(args)
     missing = mp4_encoder_missing()
     if missing:  # a request gets MP4 unless it asks for a GIF

@@ -32,6 +32,36 @@ def add_vae_placement(ap: argparse.ArgumentParser) -> None:
                          "CPU backends, where the virtual devices share the host's cores)")
 
 
+def check_vae_frame(args: argparse.Namespace) -> None:
+    """``generate`` / ``serve --vae mesh --padding none``: the video's latent frame (``--height`` x
+    ``--width``, or the pipeline's defaults) must split over the mesh one way round, as the VAE
+    then refuses to pad it; refused here, before any worker starts."""
+    if getattr(args, "vae", None) != "mesh" or getattr(args, "padding", None) != "none":
+        return
+    from ..jobs.requests import read_json_file
+    from ..mesh import mesh_from_preset
+    from ..pipeline.tiny import VARIANT_PIPELINES
+    from ..specs import ShardingError
+    from ..vae.layout import plan_frame
+
+    if args.model is None:
+        spec = VARIANT_PIPELINES[args.variant]
+        spatial, (_, height, width) = (16 if spec.vae == "wan2.2" else 8), spec.size
+    else:
+        config = read_json_file(Path(args.model) / "vae" / "config.json", required=False) or {}
+        spatial, height, width = int(config.get("scale_factor_spatial") or 8), 480, 832
+    height, width = args.height or height, args.width or width
+    plan = getattr(args, "plan", None)
+    mesh = plan.mesh() if plan is not None else mesh_from_preset(args.mesh)
+    try:
+        plan_frame(height // spatial, width // spatial, mesh, "none", 1, "latent frame")
+    except ShardingError:
+        raise UsageError(f"--padding none --vae mesh: the {height // spatial}x{width // spatial} latent frame of a "
+                         f"{height}x{width} video does not split evenly over mesh {mesh.name} either way round, and "
+                         "--padding none refuses to pad it; use --padding mask (the VAE pads and masks the frame, "
+                         "exactly) or a height and width whose latent the mesh divides") from None
+
+
 # ---- check --component vae ----------------------------------------------------------------------
 
 
@@ -131,9 +161,8 @@ def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, 
     except CompileError as e:
         print(f"wan-sharding {args.command}: error: {e}", file=sys.stderr)
         return 2
-    halo = [r for r in reports if r["request"]["strategy"] == strategies[0]]  # the bill is the first strategy's
     report = {"component": "vae", "reports": reports, "wall_seconds": round(time.perf_counter() - t0, 2),
-              "ok": all(r.get("ok") for r in reports), "bill_ok": all(r.get("bill_ok", False) for r in halo)}
+              **vae_outcome(reports, strategies[0])}
     if not args.keep_irs:  # the TTNN IR each report names stays; the other dumps go
         cited = {f"{i}_{k}": v for i, r in enumerate(reports) for k, v in r.items() if k.endswith("_path")}
         report["removed_bytes"] = prune(cited)
@@ -148,29 +177,49 @@ def compile_vae(args: argparse.Namespace, out: Path, prune: Callable[[dict[str, 
         print(f"report: {report['report_path']}, with " + ("every IR (--keep-irs)" if args.keep_irs
                                                             else "the IRs it names (--keep-irs: every one)"))
         print(f"(wall time with process start-up: {report['wall_seconds']:.0f} s)")
-    if not report["ok"]:
-        return 2
-    return 0 if report["bill_ok"] else 1
+    if report["error"]:
+        print(f"wan-sharding {args.command}: error: {report['error']}", file=sys.stderr)
+    return 0 if report["ok"] and report["bill_ok"] else 1
+
+
+def vae_outcome(reports: list[dict[str, Any]], billed: str) -> dict[str, Any]:
+    """What a ``compile --component vae`` run amounts to: ``ok`` and ``bill_ok`` are the ``billed``
+    strategy's (the one asked for; ``halo`` with ``--strategy all``); the alternatives it is compared
+    with may be refused by tt-mlir, which is a finding (a row of ``refused``, with its reason cut at
+    whole clauses), not a failure of the command. ``error``: the one line to print when the billed
+    strategy itself was refused (exit 1), else ``None``."""
+    from ..compile.vae import refusal
+
+    own = [r for r in reports if r["request"]["strategy"] == billed]
+    refused = [{"strategy": r["request"]["strategy"], "step": r["request"]["step"], "reason": refusal(r.get("error"))}
+               for r in reports if not r.get("ok")]
+    failed = [r for r in refused if r["strategy"] == billed]
+    error = (f"tt-mlir refused the {billed} strategy's {', '.join(r['step'] for r in failed)} step: "
+             f"{failed[0]['reason']}" if failed else None)
+    return {"ok": not failed, "bill_ok": all(r.get("bill_ok", False) for r in own), "refused": refused, "error": error}
 
 
 def format_vae_reports(reports: list[dict[str, Any]]) -> str:
     """One line per strategy of one decode step: the bill's figures side by side, then each refusal."""
     from ..compile.ttnn_ir import format_bytes
+    from ..compile.vae import refusal
 
     lines = [f"{'strategy':13} {'ok':3} {'collectives':>11} {'largest':>10} {'frame limit':>11} {'halo bytes':>10} "
-             f"{'all bytes':>10} {'runtime ops':>11}  bill"]
+             f"{'neighbours':>10} {'ratio':>5} {'all bytes':>10} {'runtime ops':>11}  bill"]
     for r in reports:
         req = r["request"]
         if not r.get("ok"):
-            lines.append(f"{req['strategy']:13} no  tt-mlir refused it: {(r.get('error') or '')[:300]}")
+            lines.append(f"{req['strategy']:13} no  tt-mlir refused it: {refusal(r.get('error'))}")
             continue
-        n = r["collective_count"]
+        n, ratio = r["collective_count"], r.get("halo_ratio")
         lines.append(f"{req['strategy']:13} yes {n:>11} {format_bytes(r['largest_collective_bytes']):>10} "
                      f"{format_bytes(r['frame_limit_bytes']):>11} {format_bytes(r['halo_bytes']):>10} "
+                     f"{format_bytes(r['halo_neighbour_bytes']):>10} {'-' if ratio is None else f'{ratio:.1f}x':>5} "
                      f"{format_bytes(r['collective_bytes']):>10} {r['runtime_ops']:>11}  "
                      f"{'ok' if r['bill_ok'] else 'OVER: ' + '; '.join(r['bill_problems'][:2])}")
     head = reports[0]["request"]
-    which = {"first": "the first latent frame's", "steady": "the one every latent frame from the third reuses"}
+    which = {"first": "the first latent frame's", "second": "the second latent frame's, its cache one frame",
+             "steady": "the one every latent frame from the third reuses"}
     split = next((r["frame_split"] for r in reports if r.get("frame_split")), None)
     return (f"VAE {head['kind']} decode step ({which[head.get('step', 'first')]}) at {head['resolution']} on "
             f"{head['mesh']} ({head['dtype']}, {head['frontend']} frontend{', ' + split if split else ''}):\n"
@@ -182,6 +231,7 @@ def add_vae_compile_args(c: argparse.ArgumentParser) -> None:
                    help="with --component vae: wan2.1 (A14B's VAE, default) or wan2.2 (TI2V-5B's)")
     c.add_argument("--strategy", choices=[*COMPILE_STRATEGIES, "all"], default=None,
                    help="with --component vae: the package's halo (default), an alternative, or all side by side")
-    c.add_argument("--step", choices=["first", "steady", "all"], default=None,
+    c.add_argument("--step", choices=["first", "second", "steady", "all"], default=None,
                    help="with --component vae: the decode step compiled: first (the first latent frame's program), "
-                        "steady (the one every frame from the third reuses: a full cache), or all (default)")
+                        "second (the second's: a cache of one frame), steady (the one every frame from the third "
+                        "reuses: a full cache), or all (default: the three a decode of 3 latent frames or more runs)")

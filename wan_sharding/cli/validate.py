@@ -273,6 +273,11 @@ def apply_cfg(args: argparse.Namespace, default_mesh: str) -> None:
         from ..pipeline.standin import CFG_CACHE_REFUSAL
 
         raise UsageError(f"--cache {args.cache} with --cfg 2: {CFG_CACHE_REFUSAL}")
+    if cfg == 2 and getattr(args, "vae", None) == "mesh":
+        from ..vae.layout import CFG_MESH_REFUSAL
+
+        raise UsageError(f"--vae mesh (tt's default) with --cfg 2: {CFG_MESH_REFUSAL}; pass --vae host (the VAE "
+                         "decodes once per video, after denoising) or leave --cfg out")
     if cfg == 2 and getattr(args, "guidance_scale", 2.0) <= 1.0:
         raise UsageError(f"--cfg 2 with --guidance-scale {args.guidance_scale}: guidance is off, so a step has no "
                          "uncond branch to run beside the cond one; use --cfg 1 or a guidance scale above 1")

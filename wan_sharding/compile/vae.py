@@ -3,7 +3,8 @@ compiler, and its collective bill.
 
 The VAE is built at its real config on the ``meta`` device (weights are shape stand-ins), sharded
 with ``shard_vae`` on the tt devices of a system descriptor, and one of a decode's step programs
-(:mod:`wan_sharding.vae.programs`) is lowered through torchax and compiled by ``jax-tt-plugin``:
+(:mod:`wan_sharding.vae.programs`), the very ``jax.jit`` the JAX backend runs for that step
+(``JaxBackend.step_program``), is lowered through torchax and compiled by ``jax-tt-plugin``:
 ``first``, the first latent frame's (what ``handle.decode`` runs for a one-frame latent), or
 ``steady``, the third's, which every later latent frame reuses: its cache holds two frames and its
 upsampled stages four frames per latent frame, so its halos are the largest of a decode (the
@@ -25,17 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from ..mesh import mesh_from_preset
-from ..models import vae_config
-from ..vae.layout import plan_frame, widest_scale
+from ..models import VIDEO_PIXELS, vae_config, vae_latent_hw
+from ..vae.layout import frame_values, plan_frame, widest_scale
 from .request import CompileError
 
-# The video frames of the two resolutions (height, width), as the Wan 2.2 pipelines make them.
-PIXELS = {"480p": (480, 832), "720p": (720, 1280)}
-# The decode steps a compile can take, by the index of the latent frame whose program it is:
-# the first (no cache yet) and the third (a full cache: the program every later frame reuses).
-STEPS = {"first": 0, "steady": 2}
-# The collective kinds of a TTNN module (``ttnn_ir.Collective.kind``) that a halo exchange may use.
-HALO_KINDS = ("all_gather", "point_to_point")
+PIXELS = VIDEO_PIXELS  # the resolutions a compile takes (models.py's one table)
+# The decode steps a compile can take, by the index of the latent frame whose program it is: the
+# first (no cache yet), the second (a cache of one frame) and the third (a full cache: the program
+# every later frame reuses). A decode of three latent frames or more runs all three.
+STEPS = {"first": 0, "second": 1, "steady": 2}
 # Kinds the parser lists beside the collectives that move nothing between chips: ``mesh_partition``
 # keeps each chip's own piece of a replicated tensor (a local slice).
 LOCAL_KINDS = ("mesh_partition",)
@@ -57,9 +56,7 @@ class VaeCompileRequest:
 
     def latent_hw(self) -> tuple[int, int]:
         """The latent frame of the resolution's video for this VAE (8x or 16x spatial compression)."""
-        h, w = PIXELS[self.resolution]
-        scale = vae_config(self.kind, "full").get("scale_factor_spatial", 8)
-        return h // scale, w // scale
+        return vae_latent_hw(self.kind, self.resolution)
 
     def label(self) -> str:
         return f"vae {self.kind} {self.mesh} {self.resolution} {self.strategy} {self.frontend} {self.step}"
@@ -69,12 +66,10 @@ def frame_bytes(req: VaeCompileRequest) -> int:
     """Bytes of one latent-resolution frame at the mid block's width, as it lies on the mesh (H and W
     padded to whole shards, in the orientation the handle picks for it): what the mid-block
     attention gathers."""
-    cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(req.kind, req.size)}
-    base = cfg["decoder_base_dim"] or cfg["base_dim"]
+    cfg = vae_config(req.kind, req.size)
     frame = plan_frame(*req.latent_hw(), mesh_from_preset(req.mesh), "mask", 1, "latent frame",
                        widest_scale(cfg, "decode"))
-    h, w = frame.padded
-    return base * cfg["dim_mult"][-1] * h * w * (2 if req.dtype == "bf16" else 4)
+    return frame_values(cfg, "decode", frame) * (2 if req.dtype == "bf16" else 4)
 
 
 def xla_trace_bytes(req: VaeCompileRequest) -> int:
@@ -111,22 +106,68 @@ def _decoder_only(vae: Any) -> Any:
     return vae
 
 
+def _dims(tensor: str) -> list[int]:
+    """The shape of a collective table's tensor type (``"1152x1x32x4x2xbf16"`` -> ``[1152, 1, 32, 4, 2]``)."""
+    return [int(d) for d in tensor.split("x")[:-1]]
+
+
+def _halo_axis_size(c: dict[str, Any]) -> int | None:
+    """For a halo collective, how many shards its gather collects: the gathered dim's length in the
+    result over the payload's, where each chip contributes one shard's block of boundary rows (the
+    ``(lead, nh, rows, nw, cols)`` view of ``vae/halo.py``: a 1 on the shard dim). 1 for a
+    point-to-point transfer (neighbour-only by nature); ``None``: not a halo (the mid-block
+    attention's frame gather contributes a whole shard of the frame, not a block of rows)."""
+    if c["kind"] == "point_to_point":
+        return 1
+    if c["kind"] != "all_gather":
+        return None
+    payload, result = _dims(c["payload"]), _dims(c["result"])
+    grown = [(p, r) for p, r in zip(payload, result) if p != r] if len(payload) == len(result) else []
+    return grown[0][1] if len(grown) == 1 and grown[0][0] == 1 else None
+
+
+def halo_traffic(collectives: list[dict[str, Any]]) -> dict[str, Any]:
+    """The halo of one compiled step against the neighbour-only minimum, per chip: ``halo_bytes``,
+    what the halo all-gathers hand each chip (every shard's boundary rows on the axis: the gathered
+    result); ``halo_neighbour_bytes``, what the chip needs of them (the rows of its two neighbours:
+    one shard's worth of boundary rows, the gather's payload); ``halo_ratio``, the one over the
+    other (the axis length, averaged over the step's bytes: 2 and 4 on 2x4, 4 and 8 on 8x4)."""
+    halos = [(c, n) for c in collectives for n in [_halo_axis_size(c)] if n is not None]
+    moved = sum(c["bytes"] * c["count"] for c, _ in halos)
+    needed = sum(c["bytes"] * c["count"] // n for c, n in halos)
+    return {"halo_bytes": moved, "halo_neighbour_bytes": needed, "halo_collectives": sum(c["count"] for c, _ in halos),
+            "halo_ratio": round(moved / needed, 2) if needed else None}
+
+
 def vae_bill(collectives: list[dict[str, Any]], limit: int) -> dict[str, Any]:
-    """The bill of one decode step: the largest collective, the halo bytes (every collective below
-    the frame limit of a halo kind), and whether it holds (nothing above ``limit`` bytes). Local
-    ops (``LOCAL_KINDS``) are counted apart and move nothing."""
+    """The bill of one decode step: the largest collective, the halo (:func:`halo_traffic`), and
+    whether it holds (nothing above ``limit`` bytes). Local ops (``LOCAL_KINDS``) are counted apart
+    and move nothing."""
     local = sum(c["count"] for c in collectives if c["kind"] in LOCAL_KINDS)
     collectives = [c for c in collectives if c["kind"] not in LOCAL_KINDS]
     largest = max((c["bytes"] for c in collectives), default=0)
-    halos = [c for c in collectives if c["kind"] in HALO_KINDS and c["bytes"] < limit]
     problems = [f"{c['kind']} of {c['bytes']} bytes ({c['result']}) moves more than one latent frame ({limit} bytes)"
                 for c in collectives if c["bytes"] > limit]
-    return {"largest_collective_bytes": largest, "frame_limit_bytes": limit,
-            "halo_bytes": sum(c["bytes"] * c["count"] for c in halos),
-            "halo_collectives": sum(c["count"] for c in halos),
+    return {"largest_collective_bytes": largest, "frame_limit_bytes": limit, **halo_traffic(collectives),
             "collective_bytes": sum(c["bytes"] * c["count"] for c in collectives),
             "collective_count": sum(c["count"] for c in collectives), "local_slices": local,
             "bill_ok": not problems, "bill_problems": problems}
+
+
+def refusal(error: str | None, limit: int = 300) -> str:
+    """tt-mlir's refusal in one line of at most about ``limit`` characters: its last line, whole
+    clauses (``; ``-separated) while they fit, never cut inside a word; the rest is in the report."""
+    lines = [line.strip() for line in (error or "").strip().splitlines() if line.strip()]
+    clauses = (lines[-1] if lines else "no error text").split("; ")
+    kept = [clauses[0]]
+    for clause in clauses[1:]:
+        if len("; ".join([*kept, clause])) > limit:
+            break
+        kept.append(clause)
+    if len(kept[0]) > limit:  # one long clause: cut at the last space that fits
+        kept = [kept[0][:limit].rsplit(" ", 1)[0]]
+    more = len(clauses) - len(kept)
+    return "; ".join(kept) + (f" (and {more} more in the report)" if more else "")
 
 
 # ---- parent side --------------------------------------------------------------------------------
@@ -180,8 +221,6 @@ def _compile_steps(reqs: list[VaeCompileRequest], out_dirs: list[Path]) -> list[
     one lowered and compiled. A result per request, in order."""
     import jax
     import jax.numpy as jnp
-    import torchax
-    from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
 
     from ..backends.jax import JaxBackend
     from ..models import build_vae
@@ -195,33 +234,29 @@ def _compile_steps(reqs: list[VaeCompileRequest], out_dirs: list[Path]) -> list[
     vae = build_vae(req.kind, req.size, device="meta", dtype=torch_dtype(req.dtype))
     handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy)
     try:
-        env = torchax.default_env()
-
-        def program(step: Any) -> Any:
-            def run(state: dict, z: Any, *cache: Any) -> Any:
-                state, z, cache = env.j2t_iso((state, z, cache))
-                with env, _reparametrize_module(vae, state):
-                    return env.t2j_iso(step(vae, z, *cache))  # the frame and the cache, as the step returns them
-            return run
-
         h, w = req.latent_hw()
         act = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[req.dtype]
-        z = jax.ShapeDtypeStruct((1, vae.config.z_dim, 1, h, w), act, sharding=backend.sharding(()))
-        spec = _cache_spec(handle, z.shape)
+        shape = (1, vae.config.z_dim, 1, h, w)
+        frame = handle.plan_decode(shape)
+        spec = _cache_spec(handle, shape)
+        # the input as decode uploads it: padded to the frame and split over the mesh
+        z = jax.ShapeDtypeStruct((*shape[:3], *frame.padded), act, sharding=backend.sharding(spec(5)))
         wanted = {STEPS[r.step]: (r, d) for r, d in zip(reqs, out_dirs)}
         results: dict[int, dict[str, Any]] = {}
-        step, cache = handle.step_function("decode"), ()
-        for index in range(max(wanted) + 1):
-            if index in wanted:
-                lowered = jax.jit(program(step)).lower(handle.placed, z, *cache)
-                results[index] = _compiled(lowered, wanted[index][1], time.perf_counter() - t0,
-                                           _step_facts(handle, step, z.shape))
-                out = lowered.out_info[1]
-            else:
-                _, out = jax.eval_shape(program(step), handle.placed, z, *cache)
-            cache = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=backend.sharding(spec(len(c.shape))))
-                          for c in out)
-            step = handle.step_function("decode", after=step)
+        step, cache = handle.step_function("decode", shape), ()
+        with handle.tracing("decode", frame):
+            for index in range(max(wanted) + 1):
+                program = backend.step_program(vae, step)  # the very program decode runs for this step
+                if index in wanted:
+                    lowered = program.lower(handle.placed, (z, *cache))
+                    results[index] = _compiled(lowered, wanted[index][1], time.perf_counter() - t0,
+                                               _step_facts(handle, step, shape))
+                    out = lowered.out_info[1]
+                else:
+                    _, out = jax.eval_shape(program, handle.placed, (z, *cache))
+                cache = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=backend.sharding(spec(len(c.shape))))
+                              for c in out)
+                step = handle.step_function("decode", after=step)
         return [results[STEPS[r.step]] for r in reqs]
     finally:
         handle.remove()
@@ -252,9 +287,9 @@ def _step_facts(handle: Any, step: Any, z_shape: tuple) -> dict[str, Any]:
     """What the compiled step is: its halo'd modules, how the frame lies on the mesh, and whether
     its cache leaves the same structure it came with (the program every later frame reuses)."""
     split = handle.plan_decode(tuple(z_shape)).split
-    key = handle.steps._keys[step]
+    part, _, pattern, first = handle.steps.key(step)
     return {"halo_modules": len(handle.hooks.halo_modules), "frame_split": split.describe() if split else None,
-            "reused_by_later_frames": handle.steps.next_pattern(step) == key[1] and not key[2]}
+            "reused_by_later_frames": handle.steps.next_pattern(step) == pattern and not first}
 
 
 def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
@@ -284,12 +319,14 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
     handle = shard_vae(vae, mesh, backend=backend, strategy=req.strategy, keep_host_weights=False)
     try:
         h, w = req.latent_hw()
-        z = torch.zeros(1, vae.config.z_dim, 1, h, w, dtype=dtype).to(backend.device)
-        spec = _cache_spec(handle, z.shape)
-        step, lazy = handle.step_function("decode"), ()
+        shape = (1, vae.config.z_dim, 1, h, w)
+        frame = handle.plan_decode(shape)
+        spec = _cache_spec(handle, shape)
+        z = backend.upload(torch.zeros(*shape[:3], *frame.padded, dtype=dtype), spec(5))  # as decode uploads it
+        step, lazy = handle.step_function("decode", shape), ()
         torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)  # scalars inlined, as torch-xla exports
         try:
-            with torch.no_grad():
+            with torch.no_grad(), handle.tracing("decode", frame):
                 for _ in range(STEPS[req.step]):
                     lazy = step(vae, z, *lazy)[1]  # lazy: shapes, nothing runs
                     step = handle.step_function("decode", after=step)
@@ -304,7 +341,7 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = workers.atomic_write(out_dir / "stablehlo_shardy.mlir", shardy)
         return {"ok": True, "stablehlo_path": str(path), "trace_seconds": round(time.perf_counter() - t0, 2),
-                **_step_facts(handle, step, tuple(z.shape))}
+                **_step_facts(handle, step, shape)}
     finally:
         handle.remove()
 

@@ -1,4 +1,5 @@
-"""``profile``: warm-iteration timing of the sharded DiT or of a whole denoising step.
+"""``profile``: warm-iteration timing of the sharded DiT, of a whole denoising step, or of the
+VAE's decode beside the host's.
 
 The protocol: ``warmup`` iterations (the first compiles), then ``iters`` timed iterations, each a
 forward plus the copy to the host; median / min / max reported, compile time apart. ``dit`` is one

@@ -57,8 +57,20 @@ def profile_vae(p: dict[str, Any], latent: tuple[int, int, int], note: str) -> d
             row["compile_s"] = max(times[0] - row["median_s"], 0.0)
         finally:
             handle.remove()
-    mesh = (f"sharded on {p['mesh']}: first {row['first_iter_s']:.2f} s, warm median {row['median_s']:.3f} s "
-            f"({row['per_frame_s']:.3f} s per latent frame); " if "median_s" in row else "")
-    print(f"profile vae  {p['backend']} {kind} latent {'x'.join(map(str, latent))}: {mesh}host decode median "
-          f"{row['host_median_s']:.3f} s ({row['host_per_frame_s']:.3f} s per latent frame)", flush=True)
+    print(format_vae_row(row), flush=True)
     return row
+
+
+def format_vae_row(row: dict[str, Any]) -> str:
+    """A ``profile --what vae`` row as the columns of docs/vae.md's CPU table (which
+    ``scripts/bench_vae.py`` fills with these rows): VAE, mesh, split, host decode and sharded
+    decode per latent frame (warm medians), the first sharded call (it compiles the step programs)."""
+    sharded = "median_s" in row
+    head = (f"VAE decode, {row['backend']}, {row['dtype']}, latent {' x '.join(map(str, row['latent']))}, warm median "
+            f"per latent frame of {row['iters']} timed decodes after {row['warmup']} warm-up:")
+    widths = (7, 10, 22, 11, 14, 29)  # columns two spaces apart
+    cols = ["VAE", "mesh", "split", "host decode", "sharded decode", "first sharded call (compiles)"]
+    cells = [row["vae"], row["mesh"], row.get("split") or "-", f"{row['host_per_frame_s']:.2f} s",
+             f"{row['per_frame_s']:.2f} s" if sharded else "-", f"{row['first_iter_s']:.0f} s" if sharded else "-"]
+    line = lambda values: "  ".join(f"{v:{w}}" for v, w in zip(values, widths)).rstrip()  # noqa: E731
+    return "\n".join([head, line(cols), line(cells)])

@@ -71,7 +71,10 @@ def shard_pipeline_vae(pipe: Any, resolved: Any, keep_host_weights: bool) -> Any
 
     original, entry = pipe.vae, pipe.config.get("vae")
     part = ShardedComponent("vae", original, None, None, entry)
-    part.sharding = shard_vae(original, resolved=resolved, keep_host_weights=keep_host_weights)
+    # padding="none" refuses a frame the mesh does not divide, for the VAE as for the DiT; the DiT's
+    # other modes (mask, slice) pad, which for the VAE is its mask
+    padding = "none" if resolved.padding == "none" else "mask"
+    part.sharding = shard_vae(original, padding=padding, resolved=resolved, keep_host_weights=keep_host_weights)
     part.wrapper = ShardedVae(original, part.sharding)
     pipe.vae = part.wrapper
     return part

@@ -6,7 +6,9 @@ peak and matmul efficiency, the fabric's collective cost) applied to counted wor
 
 - **VAE FLOPs**: counted by torch's ``FlopCounterMode`` on the real ``AutoencoderKLWan`` on the
   ``meta`` device (no weights, no compute): the first latent frame's decode and each later one's
-  (``decode_flops``). Wan 2.1 VAE, 480p, 81 frames: 275.4 TFLOP.
+  (``decode_flops``). Wan 2.1 VAE, 480p, 81 frames: 275.4 TFLOP. All of it divides over the mesh
+  but the mid-block attention (``attention_flops``: 67 GFLOP per latent frame at 480p), which every
+  chip runs whole on the gathered frame.
 - **VAE halo**: per decode step, every 3x3 conv exchanges one row per side with its neighbours on
   both axes (two all-gathers of the boundary rows of every frame it convolves, cut as
   ``shard_vae`` cuts them) and the mid-block attention gathers one latent frame; the frame split
@@ -34,11 +36,10 @@ from .hardware import chip as chip_for, collective_seconds, fabric_for
 BF16 = 2
 STEPS = 40  # tt-metal's Wan 2.2 performance test: 40 denoising steps, 81 frames
 FRAMES = 81
-# The video frame of each resolution (height, width), as the Wan pipelines make them.
-PIXELS = {"480p": (480, 832), "720p": (720, 1280)}
-# UMT5-XXL encoder (google/umt5-xxl; the Wan 2.2 pipelines' text_encoder): 24 layers, d_model 4096,
-# 64 heads x 64, gated FFN d_ff 10240, 512 prompt tokens.
-UMT5 = {"layers": 24, "d_model": 4096, "d_ff": 10240, "tokens": 512}
+# The prompt length the Wan 2.2 pipelines encode (``max_sequence_length``), and the prompts per video
+# (the prompt and, under guidance, the negative prompt).
+PROMPT_TOKENS = 512
+PROMPTS = 2
 
 
 @lru_cache(maxsize=8)
@@ -61,12 +62,27 @@ def decode_flops(kind: str, resolution: str) -> tuple[float, float]:
     return counts[0], counts[1] - counts[0]
 
 
-def latent_hw(kind: str, resolution: str) -> tuple[int, int]:
-    from ..models import vae_config
+@lru_cache(maxsize=8)
+def attention_flops(kind: str, resolution: str) -> float:
+    """FLOPs of the decoder's mid-block attention block (norm, to_qkv, SDPA, proj) on one latent
+    frame, counted on the ``meta`` device: 67 GFLOP for Wan 2.1 at 480p, 335 at 720p. The block runs
+    on the gathered frame, whole on every chip (``vae/hooks.py``), so it does not divide over the mesh."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
-    h, w = PIXELS[resolution]
-    scale = vae_config(kind, "full").get("scale_factor_spatial", 8)
-    return h // scale, w // scale
+    from ..models import build_vae
+
+    block = build_vae(kind, "full", device="meta", dtype=torch.bfloat16).decoder.mid_block.attentions[0]
+    x = torch.empty(1, block.dim, 1, *latent_hw(kind, resolution), device="meta", dtype=torch.bfloat16)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        block(x)
+    return float(counter.get_total_flops())
+
+
+def latent_hw(kind: str, resolution: str) -> tuple[int, int]:
+    from ..models import vae_latent_hw
+
+    return vae_latent_hw(kind, resolution)
 
 
 def video_flops(kind: str, resolution: str, frames: int = FRAMES) -> float:
@@ -174,38 +190,56 @@ def vae_stage(kind: str, mesh: str, arch: str, resolution: str, frames: int = FR
     split and padded as ``shard_vae`` lays it (:func:`~wan_sharding.vae.layout.plan_frame`) and
     each halo gather cut as it cuts them (no piece larger than the frame gather)."""
     from ..models import vae_config
-    from ..vae.layout import plan_frame, widest_scale
+    from ..vae.halo import gather_pieces_for
+    from ..vae.layout import frame_values, plan_frame, widest_scale
 
     spec = mesh_from_preset(mesh)
     fabric = fabric_for(arch, spec.shape)
     flops = video_flops(kind, resolution, frames)
     convs, _, _ = _decoder_shapes(kind, resolution)
-    cfg = {"base_dim": 96, "decoder_base_dim": None, "dim_mult": [1, 2, 4, 4], **vae_config(kind, "full")}
+    cfg = vae_config(kind, "full")
     frame = plan_frame(*latent_hw(kind, resolution), spec, "mask", 1, "latent frame", widest_scale(cfg, "decode"))
     split, (ph, pw) = frame.split, frame.padded
-    limit = (cfg["decoder_base_dim"] or cfg["base_dim"]) * cfg["dim_mult"][-1] * ph * pw * BF16
+    limit = frame_values(cfg, "decode", frame) * BF16
     axis = {name: fabric.axis(i) for i, name in enumerate(spec.axis_names)}
     comm = 0.0
     for lead, s in convs:  # each shard's boundary rows, then its H-extended boundary columns
         for n, name, payload in ((split.nh, split.h_axis, 2 * pw // split.nw * s * lead * BF16),
                                  (split.nw, split.w_axis, 2 * (ph // split.nh * s + 2) * lead * BF16)):
             if n > 1:
-                pieces = -(-n * payload // limit)
+                pieces = gather_pieces_for(n * payload, limit, lead)
                 comm += pieces * collective_seconds("all_gather", payload / pieces, n, axis[name], fabric).seconds
     for i, n in enumerate(spec.shape):
         if n > 1:
             comm += collective_seconds("all_gather", limit / spec.num_devices, n, fabric.axis(i), fabric).seconds
     steps = 1 + (frames - 1) // 4
-    return StageEstimate("vae", flops / _mesh_tflops(arch, spec.num_devices), comm * steps, flops)
+    # the mid-block attention runs whole on every chip (one latent frame per step); the rest divides
+    whole = attention_flops(kind, resolution) * steps
+    compute = (flops - whole) / _mesh_tflops(arch, spec.num_devices) + whole / _mesh_tflops(arch, 1)
+    return StageEstimate("vae", compute, comm * steps, flops)
+
+
+def text_encoder_flops() -> float:
+    """UMT5-XXL (the Wan 2.2 checkpoints' config, ``models.text_encoder_config("full")``) on the prompt
+    and the negative prompt of 512 tokens: 2 FLOP per weight of each layer's matmuls (Q, K, V, O;
+    the gated FFN's two inputs and output) per token. 9.48 TFLOP per pair; the attention scores add
+    about 2 % more and are left out, as the embedding lookup is."""
+    from ..models import text_encoder_config
+
+    c = text_encoder_config("full")
+    inner = c["num_heads"] * c["d_kv"]
+    per_token = 2 * c["num_layers"] * (4 * c["d_model"] * inner + 3 * c["d_model"] * c["d_ff"])
+    return per_token * PROMPT_TOKENS * PROMPTS
 
 
 def text_encoder_stage(mesh: str, arch: str) -> StageEstimate:
-    """UMT5-XXL on the prompt and the negative prompt, tensor-parallel over the mesh (compute only:
-    its all-reduces move 512 x 4096 values per layer, microseconds)."""
-    u = UMT5
-    per_token = 2 * u["layers"] * (4 * u["d_model"] ** 2 + 3 * u["d_model"] * u["d_ff"])
-    flops = 2 * per_token * u["tokens"]
-    return StageEstimate("text_encoder", flops / _mesh_tflops(arch, mesh_from_preset(mesh).num_devices), 0.0, flops)
+    """UMT5-XXL on the prompt and the negative prompt (:func:`text_encoder_flops`) over one TP group
+    of the mesh: ``shard_text_encoder`` splits it over the TP axis only, and every SP replica runs
+    the same program on the same prompts, so the other chips add nothing (compute only: its
+    all-reduces move 512 x 4096 values per layer, microseconds)."""
+    spec = mesh_from_preset(mesh)
+    flops = text_encoder_flops()
+    return StageEstimate("text_encoder", flops / _mesh_tflops(arch, spec.axis_size(spec.tp_axis)), 0.0, flops)
 
 
 def denoising_stage(mesh: str, arch: str, resolution: str, variant: str = "t2v-a14b", steps: int = STEPS) -> StageEstimate:

@@ -190,10 +190,15 @@ def metrics_text(sup: Supervisor) -> str:
     cached = [r for r in sup.replicas if r.prompt_cache is not None]
     per_worker += [(f"wan_sharding_prompt_cache_{key}{'_total' if kind == 'counter' else ''}", kind, what,
                     lambda r, key=key: r.prompt_cache[key]) for key, kind, what in PROMPT_CACHE_METRICS]
+    # the decodes and encodes each worker's VAE ran on the mesh (serve --vae mesh; 0 on the host)
+    per_worker += [(f"wan_sharding_vae_mesh_{part}s_total", "counter",
+                    f"VAE {part}s this worker process ran on the mesh (its warm-up's included).",
+                    lambda r, part=part: r.vae[f"mesh_{part}s"]) for part in ("decode", "encode")]
+    reported = {"wan_sharding_prompt_cache_": cached, "wan_sharding_vae_": [r for r in sup.replicas if r.vae]}
     for name, kind, what, value in per_worker:
         lines += [f"# HELP {name} {what}", f"# TYPE {name} {kind}"]
         lines += [f'{name}{{worker="{r.index}",mesh="{r.spec.mesh}",devices="{r.spec.devices}"}} {value(r)}'
-                  for r in (cached if name.startswith("wan_sharding_prompt_cache_") else sup.replicas)]
+                  for r in next((rs for prefix, rs in reported.items() if name.startswith(prefix)), sup.replicas)]
     return "\n".join(lines) + "\n"
 
 

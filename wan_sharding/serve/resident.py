@@ -109,6 +109,7 @@ class Replica:
         self.completed = 0
         self.ready_info: dict[str, Any] = {}
         self.prompt_cache: dict[str, Any] | None = None  # the worker's prompt embeddings, as it last reported them
+        self.vae: dict[str, Any] | None = None  # where its VAE runs and its calls on the mesh, as last reported
         self.tokenizer: str | None = None  # the pipeline's tokenizer (tokenizers JSON), for the prompt token limit
         self.running: str | None = None
         self.idle = False  # ready and waiting for a job (the dispatch reads it under its lock)
@@ -254,6 +255,7 @@ class Replica:
                 self.ready_info = {k: v for k, v in ev.items() if k not in ("event", "tokenizer")}
                 self.tokenizer = ev.get("tokenizer") or self.tokenizer
                 self.prompt_cache = ev.get("prompt_cache")
+                self.vae = ev.get("vae")
                 return None
         return "the server is stopping"
 
@@ -329,6 +331,7 @@ class Replica:
             return False
         if kind == "completed":
             self.prompt_cache = ev.get("prompt_cache", self.prompt_cache)
+            self.vae = ev.get("vae", self.vae)
             with contextlib.suppress(StoreError):
                 store.progress(job_id, len(ev["step_seconds"]), len(ev["step_seconds"]))
             try:

@@ -96,7 +96,7 @@ def worker_specs(p: dict[str, Any], defaults: dict[str, Any]) -> list[WorkerSpec
     from ..jobs.launch import worker_env
 
     base = {k: p.get(k) for k in ("backend", "mesh", "plan", "padding", "patches", "cache", "dtype", "variant",
-                                  "model", "text_encoder", "prompt_cache_mb", "lora")}
+                                  "model", "text_encoder", "vae", "prompt_cache_mb", "lora")}
     base["defaults"] = defaults
     replicas, plan = replicas_of(p)
     specs = []

@@ -20,7 +20,9 @@ complete), the same file ``generate`` writes: MP4 unless the request asks for a 
 
 With ``text_encoder: "mesh"`` the pipeline's UMT5 encoder is sharded with the experts. Either way
 each prompt's embedding is kept and reused for a repeated prompt (:mod:`.embeddings`; its counts
-go out with every ``ready`` and ``completed`` event, for ``/metrics``).
+go out with every ``ready`` and ``completed`` event, for ``/metrics``). With ``vae: "mesh"`` the
+VAE is sharded too (``shard_pipeline(..., vae=True)``); the decodes and encodes it ran on the mesh
+go out with the same events.
 """
 
 from __future__ import annotations
@@ -87,16 +89,17 @@ class Resident:
         plan = ShardingPlan.from_dict(config["plan"]) if config.get("plan") else None
         self.text_encoder = config.get("text_encoder") or "host"
         on_mesh = self.text_encoder == "mesh"
+        self.vae_placement = config.get("vae") or "host"
         if plan is not None:
             self.handle = shard_pipeline(self.pipe, plan_mesh_arg(config["backend"], plan), backend=config["backend"],
                                          plan=plan, patches=config.get("patches") or (), text_encoder=on_mesh,
-                                         vae=config.get("vae") == "mesh")
+                                         vae=self.vae_placement == "mesh")
         else:
             mesh = (mesh_from_dict(config["replica_mesh"]) if config.get("replica_mesh")
                     else mesh_arg(config["backend"], config["mesh"]))
             self.handle = shard_pipeline(self.pipe, mesh, backend=config["backend"], padding=config["padding"],
                                          patches=config.get("patches") or (), text_encoder=on_mesh,
-                                         vae=config.get("vae") == "mesh")
+                                         vae=self.vae_placement == "mesh")
         self.i2v = image_pipeline(self.pipe)  # after sharding: it shares the sharded experts
         self.prompts = None  # each prompt's embedding once: from here on, by the encoder where it now runs
         if self.pipe.text_encoder is not None:
@@ -117,7 +120,8 @@ class Resident:
         emit({"event": "ready", "variant": self.variant, "dtype": self.dtype, "build_seconds": round(build_s, 3),
               "shard_seconds": round(shard_s, 3), "warmup_seconds": round(warm_s, 3),
               "warmup_shape": list(frames.shape), "text_encoder": self.text_encoder, "adapters": self.adapters,
-              "prompt_cache": self.prompt_cache(), "tokenizer": self.tokenizer_json()})
+              "prompt_cache": self.prompt_cache(), "tokenizer": self.tokenizer_json(),
+              "vae": self.vae_calls()})
 
     def tokenizer_json(self) -> str | None:
         """The pipeline's tokenizer as ``tokenizers`` JSON: the server counts a prompt's tokens with it
@@ -153,6 +157,16 @@ class Resident:
 
     def prompt_cache(self) -> dict[str, Any] | None:
         return self.prompts.stats() if self.prompts is not None else None
+
+    def vae_calls(self) -> dict[str, Any]:
+        """Where the VAE runs and how many decodes and encodes it ran on the mesh in this process
+        (the warm-up's included): the counts of the pipelines' sharded VAE (``ShardedVae.calls``)."""
+        from ..pipeline.vae import ShardedVae
+
+        sharded = {id(v): v for v in (getattr(self.pipe, "vae", None), getattr(self.i2v, "vae", None))
+                   if isinstance(v, ShardedVae)}
+        return {"placement": self.vae_placement,
+                **{f"mesh_{part}s": sum(v.calls[part] for v in sharded.values()) for part in ("decode", "encode")}}
 
     def images(self, req: dict[str, Any], encoded: dict[str, str]) -> dict[str, Any]:
         """The pipeline's image arguments from a job's images (``{frame_pos: base64}``, checked by
@@ -240,7 +254,7 @@ def _handle(state: Resident, job: dict[str, Any]) -> None:
             return
         emit({"event": "completed", "id": job_id, "video": video.name, "video_shape": list(frames.shape),
               "seconds": round(time.perf_counter() - t, 3), "step_seconds": [round(s, 3) for s in step_s],
-              "prompt_cache": state.prompt_cache()})
+              "prompt_cache": state.prompt_cache(), "vae": state.vae_calls()})
     except Cancelled:
         emit({"event": "cancelled", "id": job_id})
     except Exception as e:  # the job failed; the pipeline is still loaded and sharded

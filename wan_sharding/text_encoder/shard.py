@@ -67,7 +67,7 @@ class MaskHook(Hook):
         self.handle.remove()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # ShardHandle's short repr
 class TextEncoderHandle(ShardHandle):
     """What :func:`shard_text_encoder` did to one encoder; callable as the pipeline calls the
     encoder: ``handle(input_ids, attention_mask)`` returns what the encoder returns (its output

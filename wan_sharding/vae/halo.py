@@ -32,6 +32,7 @@ before every exchange (:func:`mask_logical`), so they read as the conv's zero pa
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -70,15 +71,31 @@ class FrameSplit:
         return f"H/{self.nh} on {self.h_axis}, W/{self.nw} on {self.w_axis}"
 
 
+@functools.lru_cache(maxsize=None)
+def kept_rows(size: int, logical: int) -> tuple[bool, ...]:
+    """Which of ``size`` rows (or columns) lie inside the logical ``logical``: built once per frame
+    plan and size, read by every step (``kept_rows.cache_info()`` counts the builds)."""
+    return tuple(r < logical for r in range(size))
+
+
+@functools.lru_cache(maxsize=None)
+def selection(n: int, step: int) -> tuple[tuple[float, ...], ...]:
+    """The 0/1 matrix ``S[p, q] = 1`` where ``q == p - step`` (:func:`_select`), once per size."""
+    return tuple(tuple(1.0 if q == p - step else 0.0 for q in range(n)) for p in range(n))
+
+
 def mask_logical(x: torch.Tensor, logical_h: int, logical_w: int) -> torch.Tensor:
     """``x`` with every row at or past ``logical_h`` and column at or past ``logical_w`` zeroed
     (unchanged when it has no padding)."""
     h, w = x.shape[-2:]
     if logical_h >= h and logical_w >= w:
         return x
-    # constants made on the host side of the trace: no integer arithmetic in the program (torchax
-    # would make int64 of it, which JAX without x64 truncates with a warning)
-    keep = torch.tensor([[r < logical_h and c < logical_w for c in range(w)] for r in range(h)], device=x.device)
+    # constants of the program, one per dim (the rows and columns kept, tables cached per frame
+    # plan), their outer product in it: no integer arithmetic (torchax would make int64 of it, which
+    # JAX without x64 truncates with a warning) and no host work per pixel at any step
+    rows = torch.tensor(kept_rows(h, logical_h), device=x.device)
+    cols = torch.tensor(kept_rows(w, logical_w), device=x.device)
+    keep = rows[:, None] & cols[None, :]
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -110,8 +127,7 @@ def _select(rows: torch.Tensor, dim: int, step: int, spec: tuple, constrain: Con
     all-to-all of a matmul's flattening). Exact in any dtype: each output is one value times 1
     plus zeros."""
     n = rows.shape[dim]
-    select = torch.tensor([[1.0 if q == p - step else 0.0 for q in range(n)] for p in range(n)],  # [p, q], a constant
-                          dtype=rows.dtype, device=rows.device)
+    select = torch.tensor(selection(n, step), dtype=rows.dtype, device=rows.device)  # [p, q], a constant
     select = select.reshape([1] * dim + [n, n] + [1] * (rows.ndim - dim - 1))
     return (rows.unsqueeze(dim) * select).sum(dim + 1)
 
@@ -122,9 +138,15 @@ def gather_pieces(rows: torch.Tensor, dim: int, spec: tuple, max_gather: int | N
     ``max_gather`` values, cut along the leading dim (channels x frames)."""
     if max_gather is None:
         return 1
-    others = math.prod(rows.shape[d] for d, axis in enumerate(spec) if axis is not None and d != dim)
-    per_chip = rows.numel() // others
-    return max(1, min(rows.shape[0], -(-per_chip // max_gather)))
+    others = math.prod([rows.shape[d] for d, axis in enumerate(spec) if axis is not None and d != dim])
+    return gather_pieces_for(rows.numel() // others, max_gather, rows.shape[0])
+
+
+def gather_pieces_for(per_chip: float, limit: float, most: int) -> int:
+    """The one cutting rule (the handle's and the planner's): a gather handing each chip
+    ``per_chip`` (values or bytes) goes in as many pieces as keep each within ``limit``, at most
+    ``most`` (one per leading row: channels x frames), at least one."""
+    return int(max(1, min(most, -(-per_chip // limit))))
 
 
 def exchange(x: torch.Tensor, dim: int, axis: str, lo: int, hi: int, spec: tuple, constrain: Constrain,

@@ -107,21 +107,18 @@ def apply_vae_hooks(vae: torch.nn.Module, backend: Backend, strategy: str, excha
     constrain = backend.constrain
     state = hooks.state
     try:
-        _torch_dtypes(hooks, vae)
-        if strategy == "channels":
-            if backend.uses_torch_xla:
-                _lowered_upsample(hooks, vae)
-            return hooks
-        for name, module in vae.named_modules():
-            kind = type(module).__name__
-            if kind == "WanCausalConv3d" and module.kernel_size[1] == 3:
-                _causal_conv(hooks, name, module, constrain, state, exchange)
-            elif kind == "WanResample" and module.mode != "none":
-                _resample(hooks, name, module, constrain, state, exchange)
-            elif kind == "WanAttentionBlock":
-                _attention(hooks, module, constrain, state)
-        if backend.uses_torch_xla:  # after the fold hooks: it acts on the folded frame
-            _lowered_upsample(hooks, vae)
+        if strategy != "channels":
+            for name, module in vae.named_modules():
+                kind = type(module).__name__
+                if kind == "WanCausalConv3d" and module.kernel_size[1] == 3:
+                    _causal_conv(hooks, name, module, constrain, state, exchange)
+                elif kind == "WanResample" and module.mode != "none":
+                    _resample(hooks, name, module, constrain, state, exchange)
+                elif kind == "WanAttentionBlock":
+                    _attention(hooks, module, constrain, state)
+        # the frontend's own workarounds (backends/frontend_quirks.py), after the fold hooks: torch-xla's
+        # upsampler stand-in acts on the folded frame
+        hooks._handles.extend(backend.frontend_hooks(vae))
     except BaseException:
         hooks.remove()
         raise
@@ -208,49 +205,3 @@ def _attention(hooks: VaeHooks, block: torch.nn.Module, constrain: Any, state: V
 
     hooks._handles.append(block.register_forward_pre_hook(Hook(pre)))
     hooks._handles.append(block.register_forward_hook(Hook(post)))
-
-
-def _lowered_upsample(hooks: VaeHooks, vae: torch.nn.Module) -> None:
-    """torch-xla 2.9 has no lowering for ``nearest-exact`` interpolation
-    (``aten::_upsample_nearest_exact2d`` falls back to the CPU), so each ``WanUpsample`` would cut
-    the lazy graph in two and move the frame to the host and back; a compile's trace then holds only
-    the part after the last upsampler. For the x2 scale the VAE uses, nearest-exact is each row and
-    column repeated twice (output ``i`` reads input ``i // 2``), exactly: the module gets a 1-pixel
-    stand-in on the host (so nothing falls back) and its output is the repeated frame."""
-    for module in vae.modules():
-        if type(module).__name__ != "WanUpsample":
-            continue
-        if module.mode != "nearest-exact" or tuple(module.scale_factor) != (2.0, 2.0):
-            raise ShardingError(f"a WanUpsample with mode {module.mode!r} and scale {module.scale_factor}: the torch-xla "
-                                "backends lower only the VAE's own nearest-exact x2")
-        held: list[torch.Tensor] = []
-
-        def stand_in(mod, a, held=held):
-            held.append(a[0])
-            return (torch.zeros((1, 1, 1, 1), dtype=a[0].dtype),)
-
-        def repeated(mod, a, y, held=held):
-            x = held.pop()
-            return x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
-
-        hooks._handles.append(module.register_forward_pre_hook(Hook(stand_in)))
-        hooks._handles.append(module.register_forward_hook(Hook(repeated), prepend=True))
-
-
-def _torch_dtypes(hooks: VaeHooks, vae: torch.nn.Module) -> None:
-    """Torch's dtypes where torchax 0.0.13 changes them: it promotes bf16 times a Python float to
-    fp32 (``WanRMS_norm``'s ``* self.scale``), returns fp32 from a bf16 SDPA (the mid-block
-    attention) and keeps ``WanUpsample``'s fp32 (its ``type_as`` back to bf16 is lost), and a conv
-    then refuses the fp32 input beside its bf16 bias. Each norm's and upsampler's output is cast
-    back to its input's dtype and each conv's input to its weight's, as torch computes them;
-    both are no-ops wherever the dtypes already match (torch itself, fp32)."""
-    for module in vae.modules():
-        if type(module).__name__ == "WanRMS_norm":
-            hooks._handles.append(module.register_forward_hook(Hook(lambda mod, a, y: y.to(a[0].dtype))))
-        elif type(module).__name__ == "WanUpsample":
-            # its result reads bf16 in Python while torch's own record says fp32 (a conv then refuses
-            # it): a copy made from the array has one dtype in both
-            hooks._handles.append(module.register_forward_hook(Hook(lambda mod, a, y: y.to(a[0].dtype).clone())))
-        elif isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
-            hooks._handles.append(module.register_forward_pre_hook(
-                Hook(lambda mod, a: (a[0].to(mod.weight.dtype), *a[1:]))))

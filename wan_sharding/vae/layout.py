@@ -47,6 +47,10 @@ def check_vae_model(vae: Any) -> None:
     """Refuse anything but a diffusers ``AutoencoderKLWan`` made of the modules the plan knows."""
     from diffusers import AutoencoderKLWan
 
+    if getattr(vae, "component", None) == "vae" and isinstance(getattr(vae, "_model", None), AutoencoderKLWan):
+        raise ShardingError("this VAE is already sharded: pipe.vae is the ShardedVae that shard_pipeline(..., vae=True) "
+                            "put there (its handle: pipe.vae.handle); use it as it is, or call the pipeline handle's "
+                            "remove() first (pipe.vae is then the VAE again) and shard that")
     if not isinstance(vae, AutoencoderKLWan):
         raise ShardingError(f"expected a diffusers AutoencoderKLWan, got {type(vae).__name__}; pass the "
                             "pipeline's vae (pipe.vae), or use shard_pipeline(..., vae=True)")
@@ -67,10 +71,19 @@ def check_strategy(strategy: str, padding: str) -> None:
         raise ShardingError(f"padding {padding!r} ({why}) does not apply to the VAE; choose one of {', '.join(VAE_PADDINGS)}")
 
 
+# Why the VAE is not sharded on a cfg mesh (``--cfg 2``): a decode has no guidance branches, and the
+# backends keep a cfg axis for a batch of (cond, uncond) halves; said by the API and the commands.
+CFG_MESH_REFUSAL = ("the VAE splits each frame over the mesh's two axes and has no guidance branches, while a cfg "
+                    "mesh keeps an axis for the two guidance halves of a batch")
+
+
 def frame_splits(mesh: MeshSpec) -> tuple[FrameSplit, ...]:
     """The ways a frame can lie on a 2-D mesh: H over the first axis and W over the second, then the
     other way round (one way when both axes are as long)."""
     names = mesh.axis_names
+    if mesh.cfg_axis is not None:
+        raise ShardingError(f"{CFG_MESH_REFUSAL} ({mesh.name}); shard the VAE on the mesh without cfg (the same "
+                            "devices), or leave the VAE off the mesh (vae=False)")
     if len(names) != 2:
         raise ShardingError(f"the VAE needs a 2-D mesh, got axes {names}")
     a, b = mesh.shape
@@ -176,14 +189,24 @@ def spatial_units(vae: Any) -> tuple[int, int]:
     return 1, int(vae.config.scale_factor_spatial)
 
 
+def frame_values(config: Any, part: str, frame: Frame) -> int:
+    """Values of one frame at the mid block's width and the latent resolution, as it lies on the
+    mesh (``frame``'s padded size; an encode's frame at its latent rows): what the mid-block
+    attention gathers per batch item in one step of ``part``, the frame limit of the bill (docs/vae.md).
+    ``config`` is the VAE's (``vae.config``) or its config dict (AutoencoderKLWan's defaults filled in)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    base = get("base_dim", 96)
+    width = ((get("decoder_base_dim", None) or base) if part == "decode" else base) * get("dim_mult", [1, 2, 4, 4])[-1]
+    unit = 1 if part == "decode" else int(get("scale_factor_spatial", 8))
+    h, w = frame.padded
+    return width * (h // unit) * (w // unit)
+
+
 def attention_gather(vae: Any, part: str, batch: int, frame: Frame) -> int:
     """The values the mid-block attention gathers in one step of ``part`` (the whole latent frame at
-    its width, per batch item): the one collective a step needs the size of a frame, and the most
-    any halo all-gather is let hand a chip (the bill rule of docs/vae.md)."""
-    coder = vae.decoder if part == "decode" else vae.encoder
-    unit = 1 if part == "decode" else spatial_units(vae)[1]
-    h, w = frame.padded
-    return batch * coder.mid_block.attentions[0].dim * (h // unit) * (w // unit)
+    its width, per batch item: :func:`frame_values`): the one collective a step needs the size of
+    a frame, and the most any halo all-gather is let hand a chip (the bill rule of docs/vae.md)."""
+    return batch * frame_values(vae.config, part, frame)
 
 
 def widest_scale(config: Any, part: str) -> float:

@@ -6,9 +6,11 @@ cached frames (``feat_cache``: ``None`` before a conv's first call, ``"Rep"`` fo
 first, then the last two frames of its input); ``_encode`` runs its encoder on a first frame and
 then chunks of four. One program for a whole video would unroll that loop: its compile grows with
 the frame count (measured on the tiny VAE, jax, 2x4: 5 s for one frame, ~40 s for three). Here each
-call is the same loop, step by step, each step a program of the backend: the first frame's, then
-one program that every later frame reuses (the cache's structure no longer changes), so a video of
-any length compiles two decode programs. The cache stays on the devices, split like the frames.
+call is the same loop, step by step, each step a program of the backend: the first frame's, the
+second's (its cache holds one frame), then one program that every later frame reuses (the cache's
+structure and shapes no longer change), so a video of any length compiles three decode programs
+(an encode likewise: its first frame, its first chunk of four, then one every later chunk reuses).
+The cache stays on the devices, split like the frames.
 
 The steps call the VAE's own modules (``post_quant_conv``, ``decoder``, ``encoder``,
 ``quant_conv``) and diffusers' own ``patchify`` / ``unpatchify``; the loop around them is
@@ -17,7 +19,6 @@ The steps call the VAE's own modules (``post_quant_conv``, ``decoder``, ``encode
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
@@ -43,35 +44,38 @@ def rebuild_cache(pattern: tuple[str, ...], tensors: tuple) -> list:
 
 
 class StepPrograms:
-    """One function object per (part, cache pattern, first step): the backends compile a function
-    once per object and input shapes, so each step structure compiles once. ``enter(x)`` is the
-    handle's per-step setup inside the program (pad, split, the frame state); ``enter(part, x)``
-    returns the split input and a context that holds the frame state for the step; ``pin(t)``
-    constrains an output to its split (inside that context: the split is the frame's)."""
+    """One function object per (part, frame, cache pattern, first step): the backends compile a
+    function once per object and input shapes, so each step structure compiles once per frame.
+    A step is pure torch over the VAE: ``enter(frame, x)`` pads and splits its input inside the
+    program (a no-op on an input uploaded padded and split), ``pin(frame, t)`` constrains an
+    output to the frame's split. The hooks read the frame from the VAE's state, which the caller
+    holds around the step (and the backend's frontend quirks): nothing in a step enters a context,
+    so a dynamo trace of it is one graph."""
 
-    def __init__(self, enter: Callable[[str, torch.Tensor], tuple[torch.Tensor, Any]], quirks: Callable[[], Any],
-                 pin: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, enter: Callable[[Any, torch.Tensor], torch.Tensor],
+                 pin: Callable[[Any, torch.Tensor], torch.Tensor]):
         self._enter = enter
         self._pin = pin
-        self._quirks = quirks
         self._functions: dict[tuple, Callable] = {}
         self._keys: dict[Callable, tuple] = {}
-        self.out_patterns: dict[tuple, tuple[str, ...]] = {}  # recorded while a step is traced
+        self._left: dict[tuple, _Left] = {}  # per step: the cache pattern it leaves, recorded while it is traced
 
-    def function(self, part: str, pattern: tuple[str, ...], first: bool) -> Callable:
-        key = (part, pattern, first)
+    def function(self, part: str, frame: Any, pattern: tuple[str, ...], first: bool) -> Callable:
+        key = (part, frame, pattern, first)
         if key not in self._functions:
             body = _decode_step if part == "decode" else _encode_step
+            left = self._left[key] = _Left()
 
             def step(vae: torch.nn.Module, x: torch.Tensor, *cached: torch.Tensor) -> tuple:
-                x, frame_state = self._enter(part, x)
+                x = self._enter(frame, x)
                 cache = rebuild_cache(pattern, cached)
-                with frame_state, self._quirks():
-                    out = body(vae, x, cache, first)
-                    self.out_patterns[key] = cache_pattern(cache)
-                    # pinned: the next step's inputs then have one sharding at every step (jax compiles a
-                    # function again for inputs sharded differently)
-                    return self._pin(out), tuple(self._pin(c) for c in cache if isinstance(c, torch.Tensor))
+                out = body(vae, x, cache, first)
+                # an attribute written, never read here: dynamo replays the write after the graph and
+                # guards nothing on it (a dict written here would be guarded, and retraced at every call)
+                left.pattern = cache_pattern(cache)
+                # pinned: the next step's inputs then have one sharding at every step (jax compiles a
+                # function again for inputs sharded differently)
+                return self._pin(frame, out), tuple(self._pin(frame, c) for c in cache if isinstance(c, torch.Tensor))
 
             self._functions[key] = step
             self._keys[step] = key
@@ -80,9 +84,19 @@ class StepPrograms:
     def next_pattern(self, fn: Callable) -> tuple[str, ...]:
         """The cache pattern the step function ``fn`` leaves (known once it has been traced)."""
         key = self._keys[fn]
-        if key not in self.out_patterns:
-            raise RuntimeError(f"the {key[0]} step {key[1:]} has not been traced yet: its cache's structure is unknown")
-        return self.out_patterns[key]
+        if self._left[key].pattern is None:
+            raise RuntimeError(f"the {key[0]} step {key[2:]} has not been traced yet: its cache's structure is unknown")
+        return self._left[key].pattern
+
+    def key(self, fn: Callable) -> tuple:
+        """``(part, frame, pattern, first)`` of the step function ``fn``."""
+        return self._keys[fn]
+
+
+class _Left:
+    """What one step function leaves in the cache (its pattern), once traced."""
+
+    pattern: tuple[str, ...] | None = None
 
 
 def _decode_step(vae: torch.nn.Module, z: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
@@ -119,75 +133,7 @@ def encode_steps(num_frames: int) -> list[tuple[slice, bool]]:
     return steps
 
 
-@contextlib.contextmanager
-def clamped_negative_slices():
-    """torch-xla 2.9 refuses a slice whose negative start reaches past the dim
-    (``x[:, :, -2:]`` on one frame: "Value out of range"), which eager torch clamps; diffusers'
-    cache takes ``x[:, :, -CACHE_T:]`` of every one-frame input. Inside this context such a
-    start is clamped as torch clamps it (a TorchFunctionMode, only around the VAE's steps)."""
-    from torch.overrides import TorchFunctionMode
-
-    class Clamp(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.__getitem__ and isinstance(args[1], tuple):
-                args = (args[0], _clamp_index(args[0].shape, args[1]))
-            return func(*args, **(kwargs or {}))
-
-    with Clamp():
-        yield
-
-
-@contextlib.contextmanager
-def sliced_integer_indexing():
-    """torchax lowers an integer index (``x[:, :, -1]``, which diffusers' cache takes of the
-    previous frames in every step after the first) through ``jnp`` indexing, which makes it a
-    ``dynamic_slice``; tt-mlir 0.1.3 partitions a ``dynamic_slice`` of a split tensor wrong and
-    refuses the step ("has slice size 32 greater than dimension size 8 in dimension 3 of
-    operand"). Inside this context such an index is a one-wide static slice and a squeeze, the same
-    values (a TorchFunctionMode, only around the VAE's steps on the JAX backend)."""
-    from torch.overrides import TorchFunctionMode
-
-    class Sliced(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.__getitem__ and isinstance(args[1], tuple):
-                index, picked = _sliced_index(args[0].shape, args[1])
-                if picked:
-                    out = func(args[0], index)
-                    for dim in reversed(picked):
-                        out = out.squeeze(dim)
-                    return out
-            return func(*args, **(kwargs or {}))
-
-    with Sliced():
-        yield
-
-
-def _sliced_index(shape: torch.Size, index: tuple) -> tuple[tuple, list[int]]:
-    """``index`` with each plain integer ``i`` as the slice ``i:i+1`` (negative ones counted from
-    the end), and the dims those were; unchanged when it holds anything but integers and slices."""
-    if len(index) > len(shape) or not all(isinstance(i, (int, slice)) and not isinstance(i, bool) for i in index):
-        return index, []
-    out, picked = [], []
-    for dim, (size, i) in enumerate(zip(shape, index)):
-        if isinstance(i, int):
-            start = i + size if i < 0 else i
-            i = slice(start, start + 1)
-            picked.append(dim)
-        out.append(i)
-    return tuple(out), picked
-
-
-def _clamp_index(shape: torch.Size, index: tuple) -> tuple:
-    if any(i is Ellipsis or i is None for i in index):
-        return index
-    out = []
-    for size, i in zip(shape, index):
-        if isinstance(i, slice) and isinstance(i.start, int) and i.start < -size:
-            i = slice(None, i.stop, i.step)
-        out.append(i)
-    return tuple(out) + tuple(index[len(out):])
-
-
 def pad_frame(x: torch.Tensor, padded: tuple[int, int]) -> torch.Tensor:
+    """``x`` padded with zeros at the end of H and W to ``padded`` (unchanged when it is that size)."""
     extra_h, extra_w = padded[0] - x.shape[-2], padded[1] - x.shape[-1]
     return F.pad(x, (0, extra_w, 0, extra_h)) if extra_h or extra_w else x

@@ -13,9 +13,10 @@ assembles the outputs and cuts them back to the logical size.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 
@@ -24,8 +25,7 @@ from ..compose import Resolved, ShardHandle, resolve, shard_module
 from ..specs import ShardingError
 from .halo import EXCHANGES
 from .hooks import apply_vae_hooks
-from .programs import (StepPrograms, clamped_negative_slices, decode_steps, empty_cache, encode_steps, pad_frame,
-                       sliced_integer_indexing)
+from .programs import StepPrograms, decode_steps, empty_cache, encode_steps, pad_frame
 from .layout import (DEFAULT_STRATEGY, DEFAULT_VAE_PADDING, Frame, attention_gather, check_strategy, check_vae_model,
                      frame_splits, plan_frame, spatial_units, vae_specs, widest_scale)
 
@@ -34,7 +34,7 @@ __all__ = ["VaeHandle", "check_vae", "shard_vae"]
 _SHARDED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # VAEs sharded now: a second shard_vae is refused
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # ShardHandle's short repr
 class VaeHandle(ShardHandle):
     """What :func:`shard_vae` did to one VAE; ``decode`` / ``encode`` run it on the mesh,
     ``remove()`` restores it exactly."""
@@ -42,6 +42,9 @@ class VaeHandle(ShardHandle):
     padding_mode: str = "mask"
     steps: StepPrograms | None = None
     last_frame: Frame | None = None  # the frame of the latest decode or encode
+    # the frame plan of each input shape and part, made once: every step of every call of that
+    # shape reads the same Frame (its masks' tables are cached by size: :func:`.halo.kept_rows`)
+    frames: dict = field(default_factory=dict, repr=False)
 
     @property
     def vae(self) -> torch.nn.Module:
@@ -63,17 +66,23 @@ class VaeHandle(ShardHandle):
     def _frame(self, shape: tuple[int, ...], part: str) -> Frame:
         if len(shape) != 5:
             raise ShardingError(f"the VAE takes (batch, channels, frames, height, width), got a shape {tuple(shape)}")
-        if self.strategy == "channels":  # the frame stays whole
-            return Frame(tuple(shape[-2:]), tuple(shape[-2:]))
-        unit = spatial_units(self.vae)[0 if part == "decode" else 1]
-        return plan_frame(shape[-2], shape[-1], self.mesh, self.padding_mode, unit,
-                          "latent frame" if part == "decode" else "video frame", widest_scale(self.vae.config, part))
+        key = (part, tuple(shape[-2:]))
+        if key not in self.frames:
+            if self.strategy == "channels":  # the frame stays whole
+                self.frames[key] = Frame(tuple(shape[-2:]), tuple(shape[-2:]))
+            else:
+                unit = spatial_units(self.vae)[0 if part == "decode" else 1]
+                self.frames[key] = plan_frame(shape[-2], shape[-1], self.mesh, self.padding_mode, unit,
+                                              "latent frame" if part == "decode" else "video frame",
+                                              widest_scale(self.vae.config, part))
+        return self.frames[key]
 
     def decode(self, z: torch.Tensor, return_dict: bool = True) -> Any:
         """``vae.decode(z, return_dict)`` on the mesh; the same return type, on the host."""
         from diffusers.models.autoencoders.vae import DecoderOutput
 
         self._check_call()
+        self._check_channels(z, "decode")
         frame = self.plan_decode(tuple(z.shape))  # refused here, before any program starts
         self.last_frame = frame
         out = torch.cat(self._run("decode", z, decode_steps(z.shape[2]), frame), dim=2)
@@ -86,11 +95,24 @@ class VaeHandle(ShardHandle):
         from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
         self._check_call()
+        self._check_channels(x, "encode")
         frame = self.plan_encode(tuple(x.shape))
         self.last_frame = frame
         h = torch.cat(self._run("encode", x, encode_steps(x.shape[2]), frame), dim=2)
         posterior = DiagonalGaussianDistribution(h)
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+
+    def _check_channels(self, x: torch.Tensor, part: str) -> None:
+        """A latent (decode) or video (encode) of another channel count than this VAE's, refused
+        before anything runs (a Wan 2.2 latent into the Wan 2.1 VAE, or the other way round)."""
+        cfg = self.vae.config
+        want = cfg.z_dim if part == "decode" else cfg.in_channels // (cfg.patch_size or 1) ** 2
+        got = x.shape[1] if x.ndim == 5 else None
+        if got is not None and got != want:
+            what = "latent" if part == "decode" else "video"
+            which = " (Wan 2.1's latents have 16, Wan 2.2's 48: decode each with its own VAE)" if part == "decode" else ""
+            raise ShardingError(f"this VAE {part}s a {what} of {want} channels, got {got} (shape {tuple(x.shape)}); "
+                                f"pass a (batch, {want}, frames, height, width) {what}{which}")
 
     def _check_call(self) -> None:
         if self.removed:
@@ -100,53 +122,62 @@ class VaeHandle(ShardHandle):
                                 "(the mesh splits the frame instead)")
 
     def _run(self, part: str, x: torch.Tensor, steps: list, frame: Frame) -> list[torch.Tensor]:
-        """The steps in order, the cache handed from one to the next on the devices. Each output
-        stays split over the mesh, padded: the host assembles it and cuts it to the logical frame
-        (a gather on the mesh would move a whole output frame, larger than anything else here)."""
+        """The steps in order, the cache handed from one to the next on the devices. Each step's
+        input is padded on the host and uploaded split (each device gets its piece); each output
+        stays split over the mesh, padded, and leaves it shard by shard (``backend.to_host``): the
+        host assembles it and cuts it to the logical frame (a gather on the mesh would move a whole
+        output frame, larger than anything else here)."""
         programs = self._programs()
-        with torch.no_grad():  # inference only
-            return self._steps(programs, part, x, steps, frame)
-
-    def _steps(self, programs: StepPrograms, part: str, x: torch.Tensor, steps: list, frame: Frame) -> list[torch.Tensor]:
+        spec = self._spec(frame, x.ndim)
         pattern = empty_cache(self.vae, part)
         cached: tuple = ()
         outs = []
-        for frames, first in steps:
-            fn = programs.function(part, pattern, first)
-            out, cached = self.backend.run_function(self.vae, self.placed, fn, x[:, :, frames], *cached)
-            pattern = programs.out_patterns[(part, pattern, first)]
-            outs.append(_cut(self.backend.to_host(out), frame))
+        with torch.no_grad(), self.tracing(part, frame, x.shape[0]):  # inference only
+            for frames, first in steps:
+                fn = programs.function(part, frame, pattern, first)
+                piece = self.backend.upload(pad_frame(x[:, :, frames], frame.padded).contiguous(), spec)
+                out, cached = self.backend.run_step(self.vae, self.placed, fn, piece, *cached)
+                pattern = programs.next_pattern(fn)
+                outs.append(_cut(self.backend.to_host(out), frame))
         return outs
 
-    def step_function(self, part: str = "decode", after: Any = None) -> Any:
-        """The function of ``part``'s first step (``after=None``: the first latent frame of a decode,
-        the first video frame of an encode), or of the step that follows the step function
-        ``after`` once that one has been traced (its cache's structure is then known); as
-        ``decode`` / ``encode`` run them through the backend: ``fn(vae, x, *cache) -> (out, cache)``.
-        The compile frontends lower them."""
+    @contextlib.contextmanager
+    def tracing(self, part: str, frame: Frame, batch: int = 1) -> Iterator[None]:
+        """The context every step of ``part`` on ``frame`` (of ``batch`` items) runs, and is traced,
+        in: the frame and the largest gather a halo may make held for the hooks, the backend's
+        frontend quirks on."""
+        gather = None if self.strategy == "channels" else attention_gather(self.vae, part, batch, frame)
+        with self.hooks.state.holding(frame, gather), self.backend.step_quirks():
+            yield
+
+    def step_function(self, part: str = "decode", shape: tuple[int, ...] | None = None, after: Any = None) -> Any:
+        """The function of ``part``'s first step for an input of ``shape`` (``after=None``, ``shape`` given: the
+        first latent frame of a decode, the first video frame of an encode), or of the step that
+        follows the step function ``after`` once that one has been traced (its cache's structure
+        is then known); as ``decode`` / ``encode`` run them through the backend (inside
+        :meth:`tracing`): ``fn(vae, x, *cache) -> (out, cache)``. The compile frontends lower them."""
         programs = self._programs()
         if after is None:
-            return programs.function(part, empty_cache(self.vae, part), True)
-        return programs.function(part, programs.next_pattern(after), False)
+            return programs.function(part, self._frame(tuple(shape), part), empty_cache(self.vae, part), True)
+        key = programs.key(after)
+        return programs.function(part, key[1], programs.next_pattern(after), False)
 
     def _programs(self) -> StepPrograms:
         if self.steps is None:
-            quirks = clamped_negative_slices if self.backend.uses_torch_xla else sliced_integer_indexing
-            self.steps = StepPrograms(self._enter, quirks, self._pin)
+            self.steps = StepPrograms(self._enter, self._pin)
         return self.steps
 
-    def _pin(self, t: torch.Tensor) -> torch.Tensor:
-        """An output of a step constrained to the step's split (inside the step: the state holds it)."""
-        return t if self.strategy == "channels" else self.backend.constrain(t, self.hooks.state.split.frame_spec(t.ndim))
+    def _spec(self, frame: Frame, ndim: int) -> tuple:
+        return (None,) * ndim if frame.split is None else frame.split.frame_spec(ndim)
 
-    def _enter(self, part: str, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Inside a step's program: pad the input to its frame, split it over H and W, and hold the
-        frame (and the largest gather a halo may make) for the hooks while the step runs."""
-        frame = self._frame(tuple(x.shape), part)
-        if self.strategy == "channels":
-            return x, self.hooks.state.holding(frame)
-        x = self.backend.constrain(pad_frame(x, frame.padded), frame.split.frame_spec(x.ndim))
-        return x, self.hooks.state.holding(frame, attention_gather(self.vae, part, x.shape[0], frame))
+    def _pin(self, frame: Frame, t: torch.Tensor) -> torch.Tensor:
+        """An output of a step constrained to the step's split."""
+        return t if frame.split is None else self.backend.constrain(t, frame.split.frame_spec(t.ndim))
+
+    def _enter(self, frame: Frame, x: torch.Tensor) -> torch.Tensor:
+        """Inside a step's program: the input padded to its frame (when it came unpadded) and split
+        over H and W (where it came split, the constraint moves nothing)."""
+        return x if frame.split is None else self.backend.constrain(pad_frame(x, frame.padded), frame.split.frame_spec(x.ndim))
 
     def remove(self) -> None:
         super().remove()
@@ -188,9 +219,12 @@ def shard_vae(vae: torch.nn.Module, mesh_or_plan: Any = None, backend: str | Bac
     """Shard a diffusers ``AutoencoderKLWan`` (the Wan 2.1 VAE of the A14B pipelines or the Wan 2.2
     VAE of TI2V-5B) over the mesh: every frame split over H on one mesh axis and W on the other
     (per frame, the way round whose halo all-gathers are smaller: W on the 8-long axis of 8x4 for
-    a wide video frame), each 3x3 conv's zero padding on a split dim replaced by a one-row halo
-    from its neighbours (no all-gather of it larger than the attention's frame gather), the
-    mid-block attention on the gathered frame.
+    a wide video frame), each 3x3 conv's zero padding on a split dim replaced by a halo of one row
+    from each neighbour. The halo moves as an all-gather of every shard's boundary rows over the
+    whole mesh axis, each shard then picking its neighbours' rows from it: each chip is handed the
+    axis length times the rows it needs (``compile --component vae`` reports both per step), and
+    no such gather is larger than the attention's frame gather. The mid-block attention runs on the
+    gathered frame.
 
     Args:
         vae: the model (real weights; ``meta`` for the ``jax`` backend's compile-only lowering).
