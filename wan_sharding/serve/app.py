@@ -10,7 +10,8 @@ the clients tt-inference-server ships for it work unchanged:
   ``num_inference_steps``, ``seed``, ``negative_prompt``): 202 and the job. Bad fields get 422 with
   one line naming the field and the fix (``generate``'s rules, and the image rules of
   :mod:`wan_sharding.jobs.conditioning`); an upload that is not PNG, JPEG or WebP 415, one over the
-  size limit 413; a full queue 429 with ``Retry-After``; nothing is queued in any of these cases.
+  size limit 413; an adapter name in ``loras`` the server did not register (``serve --lora``) 400;
+  a full queue 429 with ``Retry-After``; nothing is queued in any of these cases.
 - ``GET /v1/videos/generations/{id}``: the job; ``.../download``: the video (``video/mp4``), 404
   until the job is completed; ``POST .../cancel``: the job (``cancelled``, or ``cancelling`` until
   its step ends), 404 for a job that already ended.
