@@ -14,7 +14,7 @@ the CPU PCC matrix, and the per-video stage estimates beside tt-metal's publishe
    that would not fit this host's memory is reported as skipped).
 3. The CPU PCC matrix (``check --component vae``: both VAEs, decode and encode, padded and not, on
    1x4, 2x4 and 8x4, jax and xla): what the suite's ``slow`` VAE test checks, in full.
-4. The stage table (``planner/vae.py``): text encoder, denoising and VAE per video for BH 2x4 480p,
+4. The stage table (``planner/stages.py``): text encoder, denoising and VAE per video for BH 2x4 480p,
    BH Galaxy 720p and BH 4x32 720p beside tt-metal's bounds and measured figures.
 
     python scripts/bench_vae.py                 # everything (19 min on a quiet 2-core host)
@@ -136,9 +136,9 @@ def main() -> int:
     date = datetime.date.today().isoformat()
     t0 = time.perf_counter()
 
-    from wan_sharding.planner.vae import stage_table
+    from wan_sharding.planner.stages import stage_table
 
-    stages = stage_table()
+    stages = stage_table(plan_runs=ROOT / "results")  # denoising: the compiled ranking where a plan run is kept
     for r in stages:
         s = r["stages"]
         print(f"stages {r['system']} {r['resolution']}: text encoder {s['text_encoder']['seconds']:.3f} s, denoising "

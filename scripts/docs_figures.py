@@ -382,6 +382,15 @@ SYSTEM_WORDS = {"bh-2x4": "BH 2x4", "bh-galaxy": "BH Galaxy (8x4)", "bh-4x32": "
 MEASURED_SOURCE = {"bh-2x4": " (#41873)", "bh-galaxy": " traced (#45975)"}
 
 
+def _stage_plan(p: dict | None) -> str:
+    """The plan a denoising row runs and the ranking that chose it."""
+    if p is None:
+        return ""
+    if p["ranking"] == "compiled":
+        return f": `{p['name']}`, the compiled ranking's best (`{p['source']}`, {p['date']})"
+    return f": `{p['name']}`, the analytic ranking's best (`{p['source']}`; no compiled ranking kept for it)"
+
+
 def stages(root: Path) -> str:
     d = _load(root, "stages.json")
     lines = [f"`{d['command'].strip()}` ({_date(d)}), Blackhole, seconds per video (`results/stages.json`):", "",
@@ -392,7 +401,7 @@ def stages(root: Path) -> str:
         for stage, words in (("text_encoder", "text encoder"), ("denoising", "denoising"), ("vae", "VAE")):
             s = r["stages"][stage]
             est = (f"{s['seconds']:.2f} (compute {s['compute_s']:.2f}, halo {s['comm_s']:.2f})" if stage == "vae"
-                   else f"{s['seconds']:.3g}")
+                   else f"{s['seconds']:.3g}" + _stage_plan(s.get("plan")))
             measured = r["tt_metal_measured_s"].get(stage)
             measured = "-" if measured is None else f"{measured:g}{MEASURED_SOURCE.get(r['system'], '')}"
             lines.append(f"| {system} | {r['resolution']} | {words} | {est} | {r['tt_metal_bound_s'][stage]:g} | "

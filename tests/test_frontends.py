@@ -270,6 +270,31 @@ def test_the_fused_rope_adaln_norm_and_head_merge_get_their_causes():
         ("concatenate_heads", "heads")]
 
 
+# The same RoPE where a shard's rows are not a tile multiple (8x4 480p without padding: 32760 / 8 =
+# 4095): tt-mlir runs rotary_embedding on 4096 rows and slices the output back (its
+# RotaryEmbeddingOpRewritePattern), then the cast back to bf16.
+_PADDED_ROPE_TTNN = textwrap.dedent("""\
+    %0 = "ttnn.matmul"(%arg0, %arg4) : (tensor<1x10x4095x128xbf16>, tensor<1x10x128x128xbf16>) -> tensor<1x10x4095x128xbf16> loc(#l)
+    %1 = "ttnn.typecast"(%0) : (tensor<1x10x4095x128xbf16>) -> tensor<1x10x4095x128xf32> loc(#l)
+    %2 = "ttnn.rotary_embedding"(%1, %arg1, %arg2) : (tensor<1x10x4095x128xf32>, tensor<1x1x4095x128xf32>, tensor<1x1x4095x128xf32>) -> tensor<1x10x4096x128xf32> loc(#l)
+    %3 = "ttnn.slice_static"(%2) <{begins = [0 : i32, 0 : i32, 0 : i32, 0 : i32], ends = [1 : i32, 10 : i32, 4095 : i32, 128 : i32], step = [1 : i32, 1 : i32, 1 : i32, 1 : i32]}> : (tensor<1x10x4096x128xf32>) -> tensor<1x10x4095x128xf32> loc(#l)
+    %4 = "ttnn.typecast"(%3) : (tensor<1x10x4095x128xf32>) -> tensor<1x10x4095x128xbf16> loc(#l)
+    %5 = "ttnn.slice_static"(%0) <{begins = [0 : i32, 0 : i32, 0 : i32, 0 : i32], ends = [1 : i32, 10 : i32, 4064 : i32, 128 : i32], step = [1 : i32, 1 : i32, 1 : i32, 1 : i32]}> : (tensor<1x10x4095x128xbf16>) -> tensor<1x10x4064x128xbf16> loc(#l)
+    %6 = "ttnn.scaled_dot_product_attention"(%4, %5, %5) : (tensor<1x10x4095x128xbf16>, tensor<1x10x4064x128xbf16>, tensor<1x10x4064x128xbf16>) -> tensor<1x10x4095x128xbf16> loc(#l)
+""")
+
+
+def test_the_rope_tile_padding_slice_back_counts_as_rope():
+    from wan_sharding.compile import causes
+
+    (nodes,) = causes.step_functions(TTNNModule.parse(_PADDED_ROPE_TTNN))
+    causes.classify(nodes)
+    assert [(n.name, n.cause) for n in nodes] == [
+        ("matmul", "SDPA"), ("typecast", "RoPE"), ("rotary_embedding", "RoPE"), ("slice_static", "RoPE"),
+        ("typecast", "RoPE"), ("slice_static", "other"),  # a row slice of anything but the fused RoPE is not
+        ("scaled_dot_product_attention", "SDPA")]
+
+
 @needs_plugin
 def test_the_sharded_residual_plan_has_the_forms_fused_collectives_match(reports):
     """tt-mlir #9028 / #9066 fuse ``linear(all_gather(x, last dim))`` (the gather's only use) and

@@ -20,7 +20,7 @@ The rules, in the order they are applied (a rule never reassigns an op an earlie
    K/V gathers over SP, row-parallel all-reduces over TP, SP scatters).
 3. the norm's post-statistics math: forward from the statistics gather up to the multiply by the
    norm's 1-D weight, and the reshape that feeds the norm.
-4. RoPE: the fused ``rotary_embedding``; a multiply by a table broadcast over the heads (``(1, L, 1,
+4. RoPE: the fused ``rotary_embedding`` (and the slice tt-mlir cuts its tile padding off with); a multiply by a table broadcast over the heads (``(1, L, 1,
    Dh)`` against ``(1, L, H, Dh)``, or heads first ``(1, 1, L, Dh)`` against ``(1, H, L, Dh)``), what
    feeds only RoPE ops backwards (casts, half-dim slices, negation, concat), and the adds and scalar
    multiplies of RoPE values forwards, with the scatter or select (and its layout changes) that
@@ -147,6 +147,11 @@ def _big(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and shape[-1] > 1 and max(shape[:-1], default=1) > 6
 
 
+def _rows_cut(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
+    """``dst`` is ``src`` with fewer rows (dim -2) and nothing else changed."""
+    return len(src) == len(dst) >= 2 and dst[-2] < src[-2] and src[:-2] + src[-1:] == dst[:-2] + dst[-1:]
+
+
 def _head_split(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
     """``dst`` splits ``src``'s last dim into (H, Dh) or (k, H*Dh) (an unflatten of heads or of a fused QKV)."""
     return len(dst) >= 4 and bool(src) and dst[-2] > 1 and src[-1] == dst[-1] * dst[-2]
@@ -205,6 +210,11 @@ def classify(nodes: list[Node]) -> None:
                     and all(c.cause == "RoPE" for c in n.consumers) and _rank4_heads(n.out):
                 n.cause, changed = "RoPE", True
         for n in nodes:
+            # tt-mlir pads a rotary_embedding whose rows are not a tile multiple (S % 32) and slices
+            # its output back (RotaryEmbeddingOpRewritePattern): the slice-back is RoPE's
+            if n.cause is None and n.name == "slice_static" and len(n.producers) == 1 and n.producers[0] is not None \
+                    and n.producers[0].name == "rotary_embedding" and _rows_cut(n.arg_shape(0), n.out):
+                n.cause, changed = "RoPE", True
             # diffusers' own RoPE writes the rotated halves back interleaved: a scatter (a select on
             # torch-xla), with the layout changes around it
             if n.cause is None and n.name in ("rows_scatter", "scatter", "where", "reshape", "to_layout",

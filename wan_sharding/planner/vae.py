@@ -1,5 +1,6 @@
 """The rest of the pipeline in the planner's hardware model: the VAE's memory on the mesh beside the
-experts', and a per-video estimate of each stage (text encoder, denoising, VAE decode).
+experts', and a per-video estimate of the text encoder's and the VAE's stages (the stage table
+with denoising beside them: :mod:`.stages`).
 
 Every figure comes from the same model the planner costs plans with (:mod:`.hardware`: a chip's
 peak and matmul efficiency, the fabric's collective cost) applied to counted work:
@@ -14,8 +15,6 @@ peak and matmul efficiency, the fabric's collective cost) applied to counted wor
   ``shard_vae`` cuts them) and the mid-block attention gathers one latent frame; the frame split
   as ``shard_vae`` lays it; costed with :func:`.hardware.collective_seconds` on the mesh's own
   axes.
-- **Denoising**: the planner's stage-1 estimate of the best preset roles per DiT forward
-  (:func:`.analytic.estimate`), times two forwards (CFG) per step, times the steps.
 - **Text encoder**: UMT5-XXL's encoder (24 layers, d_model 4096, d_ff 10240, 512 tokens, prompt and
   negative prompt) as dense matmul FLOPs, tensor-parallel over the mesh.
 
@@ -169,14 +168,16 @@ class StageEstimate:
     compute_s: float
     comm_s: float
     flops: float
+    plan: dict[str, Any] | None = None  # denoising: the plan it runs and which ranking chose it
 
     @property
     def seconds(self) -> float:
         return self.compute_s + self.comm_s
 
     def to_json(self) -> dict[str, Any]:
-        return {"stage": self.stage, "seconds": round(self.seconds, 4), "compute_s": round(self.compute_s, 4),
-                "comm_s": round(self.comm_s, 4), "tflop": round(self.flops / 1e12, 2)}
+        out = {"stage": self.stage, "seconds": round(self.seconds, 4), "compute_s": round(self.compute_s, 4),
+               "comm_s": round(self.comm_s, 4), "tflop": round(self.flops / 1e12, 2)}
+        return {**out, "plan": self.plan} if self.plan is not None else out
 
 
 def _mesh_tflops(arch: str, chips: int) -> float:
@@ -240,49 +241,3 @@ def text_encoder_stage(mesh: str, arch: str) -> StageEstimate:
     spec = mesh_from_preset(mesh)
     flops = text_encoder_flops()
     return StageEstimate("text_encoder", flops / _mesh_tflops(arch, spec.axis_size(spec.tp_axis)), 0.0, flops)
-
-
-def denoising_stage(mesh: str, arch: str, resolution: str, variant: str = "t2v-a14b", steps: int = STEPS) -> StageEstimate:
-    """The planner's stage-1 estimate of one DiT forward with the preset's roles, x 2 (CFG) x steps."""
-    from ..plan import ShardingPlan
-    from .analytic import block_flops, estimate
-    from .workload import Workload
-
-    spec = mesh_from_preset(mesh)
-    work = Workload.build(variant, resolution)
-    plan = ShardingPlan.from_mesh(spec)
-    est = estimate(work, plan, chip_for(arch), fabric_for(arch, spec.shape))
-    forwards = 2 * steps
-    comm = sum(est.per_block.comm.values()) * work.layers * forwards
-    return StageEstimate("denoising", est.seconds_per_forward * forwards - comm, comm,
-                         block_flops(work, plan) * spec.num_devices * work.layers * forwards)
-
-
-# tt-metal's Wan 2.2 performance test (models/tt_dit/tests/models/wan2_2/test_performance_wan.py,
-# t2v_metrics): the upper bounds its CI asserts per stage, seconds, 81 frames, 40 steps.
-TT_METAL_BOUNDS = {
-    ("bh-2x4", "480p"): {"text_encoder": 0.08, "denoising": 240.0, "vae": 5.0},
-    ("bh-galaxy", "720p"): {"text_encoder": 0.1, "denoising": 140.0, "vae": 2.0},
-    ("bh-4x32", "720p"): {"text_encoder": 0.5, "denoising": 75.0, "vae": 5.0},
-}
-# The same stages as measured in tt-metal pull requests (VAE only): #41873 (BH 2x4 480p 2.5 -> 1.5 s),
-# #45975 (BH Galaxy 720p, traced decode 559 -> 479 ms).
-TT_METAL_MEASURED = {("bh-2x4", "480p"): {"vae": 1.5}, ("bh-galaxy", "720p"): {"vae": 0.479}}
-# The systems of the stage table: (label, mesh preset, arch).
-SYSTEMS = {"bh-2x4": ("2x4", "blackhole"), "bh-galaxy": ("8x4", "blackhole"), "bh-4x32": ("4x32-tt-metal", "blackhole")}
-
-
-def stage_table(kind: str = "wan2.1", variant: str = "t2v-a14b") -> list[dict[str, Any]]:
-    """Per system and resolution of :data:`TT_METAL_BOUNDS`: each stage's estimate beside tt-metal's
-    bound (and measured figure where published), and the VAE's memory per chip."""
-    rows = []
-    for (system, resolution), bounds in TT_METAL_BOUNDS.items():
-        mesh, arch = SYSTEMS[system]
-        stages = [text_encoder_stage(mesh, arch), denoising_stage(mesh, arch, resolution, variant),
-                  vae_stage(kind, mesh, arch, resolution)]
-        rows.append({"system": system, "mesh": mesh, "arch": arch, "resolution": resolution,
-                     "stages": {s.stage: s.to_json() for s in stages},
-                     "tt_metal_bound_s": bounds, "tt_metal_measured_s": TT_METAL_MEASURED.get((system, resolution), {}),
-                     "vae_memory_per_chip": vae_memory_per_chip(kind, mesh_from_preset(mesh).num_devices,
-                                                                resolution).to_json()})
-    return rows
