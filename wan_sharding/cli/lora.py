@@ -24,6 +24,15 @@ def add_lora(ap: argparse.ArgumentParser) -> None:
                          "fuse: merged into the base weights before sharding, no extra op per block")
 
 
+def add_serve_lora(ap: argparse.ArgumentParser) -> None:
+    """``serve --lora NAME=PATH[:EXPERT]`` (repeatable): adapters loaded once at start, picked by
+    name (with a scale) per request."""
+    ap.add_argument("--lora", action="append", default=[], metavar="NAME=PATH[:EXPERT]",
+                    help="register a LoRA adapter (.safetensors only) under NAME, loaded into the resident pipeline "
+                         f"once; EXPERT one of {', '.join(EXPERTS)} (default transformer); a job picks adapters by "
+                         'name with a scale ("loras": [{"name": NAME, "scale": S}]); repeat for several')
+
+
 def _meta_expert(variant: str, model: str | None) -> Any:
     """The variant's expert on the ``meta`` device (names and shapes only): the tiny config, or the
     checkpoint's ``transformer/config.json``."""
@@ -39,11 +48,12 @@ def _meta_expert(variant: str, model: str | None) -> Any:
         return WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(model, subfolder="transformer"))
 
 
-def validate_lora(args: argparse.Namespace) -> None:
-    """Every ``--lora`` parsed, read and checked against the expert it goes into (the variant's
-    tiny expert, or the checkpoint's); the parsed requests replace the strings in ``args.lora``
-    (as JSON-ready dicts for the worker)."""
-    from ..lora.files import check_adapter_state, converted_state, parse_lora_arg
+def validate_lora(args: argparse.Namespace, serve: bool = False) -> None:
+    """Every ``--lora`` parsed (``PATH[:SCALE][:EXPERT]``; with ``serve``: ``NAME=PATH[:EXPERT]``),
+    read and checked against the expert it goes into (the variant's tiny expert, or the
+    checkpoint's); the parsed requests replace the strings in ``args.lora`` (as JSON-ready dicts
+    for the worker)."""
+    from ..lora.files import check_adapter_state, converted_state, parse_lora_arg, parse_named_lora_arg
     from ..lora_layers import LoraError
 
     if not getattr(args, "lora", None):
@@ -59,16 +69,17 @@ def validate_lora(args: argparse.Namespace) -> None:
     requests, names = [], set()
     for text in args.lora:
         try:
-            r = parse_lora_arg(text)
+            r = parse_named_lora_arg(text) if serve else parse_lora_arg(text)
             if r.expert != "transformer" and args.variant == "ti2v-5b" and getattr(args, "model", None) is None:
                 raise LoraError(f"--lora {text}: TI2V-5B has one expert; leave EXPERT out (transformer)")
             if r.name in names:
-                raise LoraError(f"two --lora adapters are named {r.name!r} (from their files' names); rename one file")
+                fix = "; give each its own NAME" if serve else " (from their files' names); rename one file"
+                raise LoraError(f"two --lora adapters are named {r.name!r}{fix}")
             names.add(r.name)
             converted = converted_state(r.path)
             dit = dit if dit is not None else _meta_expert(args.variant, getattr(args, "model", None))
             check_adapter_state(dit, converted)
         except LoraError as e:
             raise UsageError(str(e)) from None
-        requests.append({"path": r.path, "scale": r.scale, "expert": r.expert})
+        requests.append({"path": r.path, "scale": r.scale, "expert": r.expert, **({"adapter": r.name} if serve else {})})
     args.lora = requests

@@ -16,6 +16,7 @@ from .args import add_cache, add_dtype, add_padding, add_patches, stack_missing
 from .dryrun import dry_run
 from .pipeline import add_pipeline_source, worker_params
 from .launch import binding_mesh, check_launch
+from .lora import add_serve_lora, validate_lora
 from .vae import add_vae_placement, check_vae_frame
 from .validate import (
     REQUEST_FLAGS,
@@ -90,6 +91,7 @@ def _validate_serve(args: argparse.Namespace) -> None:
                              f"pass --arch {chips} or leave it out")
         args.arch = chips
     apply_plan(args, binding_mesh(args, "2x4"))
+    validate_lora(args, serve=True)  # before the store is made: a refused adapter leaves nothing behind
     check_serve(args)
     check_launch(args, [args.backend])
 
@@ -222,6 +224,7 @@ def add_subcommands(sub: Any) -> None:
     add_cache(s)
     add_vae_placement(s)
     add_dtype(s, None, help="default: fp32 tiny, bf16 with --model")
+    add_serve_lora(s)
     s.add_argument("--steps", type=int, default=4, help="steps of a request that leaves them out, and of the warm-up")
     s.add_argument("--frames", type=int, help="frames of a request that leaves them out (default: generate's)")
     s.add_argument("--height", type=int, help="height of a request that leaves it out (default: generate's)")

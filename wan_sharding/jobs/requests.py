@@ -18,13 +18,21 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PATCH", "RequestLimits", "UsageError", "check_counts", "check_limits", "check_text", "check_video",
+__all__ = ["PATCH", "RequestLimits", "UnknownAdapter", "UsageError", "check_adapters", "check_counts", "check_limits", "check_text", "check_video",
            "check_video_format", "positive_int", "read_json_file", "video_factors", "video_tokens"]
 
 
 class UsageError(ValueError):
     """A bad request (a command-line option or a server API field): one line naming the problem and
-    the fix. ``wan-sharding`` exits 2 with it; the server answers 422."""
+    the fix. ``wan-sharding`` exits 2 with it; the server answers ``status`` (422)."""
+
+    status = 422
+
+
+class UnknownAdapter(UsageError):
+    """A request names an adapter this server did not register (``serve --lora NAME=PATH``): 400."""
+
+    status = 400
 
 
 def positive_int(text: str) -> int:
@@ -219,3 +227,26 @@ def check_limits(req: dict[str, Any], limits: RequestLimits, names: dict[str, st
         if not ok:
             raise UsageError(f"{name('guidance_scale')} {_shown(guidance)}: must be a finite number 0 to "
                              f"{MAX_GUIDANCE:g}; e.g. 4.0")
+
+
+def check_adapters(choices: list[dict[str, Any]], known: tuple[str, ...]) -> list[dict[str, Any]]:
+    """A request's ``loras`` (``[{"name", "scale"}]``) against the adapters the server registered
+    (``known``): each name one of them (:class:`UnknownAdapter`, naming them), named once, its
+    scale a finite number (UsageError); ``[{"name", "scale": float}]``."""
+    out: list[dict[str, Any]] = []
+    for i, choice in enumerate(choices):
+        name, scale = choice["name"], choice.get("scale", 1.0)
+        if name not in known:
+            have = (f"this server's adapters are {', '.join(known)}" if known else
+                    "this server has no adapters (serve --lora NAME=PATH registers them)")
+            raise UnknownAdapter(f"loras[{i}].name {_shown(name)}: no such adapter; {have}")
+        if any(c["name"] == name for c in out):
+            raise UsageError(f"loras[{i}].name {_shown(name)}: named twice; send each adapter once with its scale")
+        try:
+            ok = math.isfinite(float(scale))
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise UsageError(f"loras[{i}].scale {_shown(scale)}: not a finite number; send its weight, e.g. 1.0")
+        out.append({"name": name, "scale": float(scale)})
+    return out

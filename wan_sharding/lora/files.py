@@ -9,6 +9,7 @@ or targets differ from the adapter it replaces, a DoRA adapter.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,6 +21,7 @@ from ..plan import COLWISE, REPLICATE, ROWWISE, WAN_TP_TABLE
 from ..specs import pattern_regex
 
 EXPERTS = ("transformer", "transformer_2", "both")
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a served adapter's name: what a request sends
 # diffusers reads these as pickles (torch.load); a request never makes this package unpickle a file
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -28,16 +30,18 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 class LoraRequest:
     """One adapter a command loads: its file, its weight in ``set_adapters`` and the expert(s) it
     goes into (``transformer``: diffusers' default; ``transformer_2`` is its
-    ``load_into_transformer_2=True``; ``both``)."""
+    ``load_into_transformer_2=True``; ``both``); ``adapter``: its name (``serve --lora NAME=PATH``),
+    else the file's stem."""
 
     path: str
     scale: float = 1.0
     expert: str = "transformer"
+    adapter: str = ""
 
     @property
     def name(self) -> str:
-        """The adapter name: the file's stem."""
-        return Path(self.path).stem.replace(".", "_")
+        """The adapter name: ``adapter``, else the file's stem."""
+        return self.adapter or Path(self.path).stem.replace(".", "_")
 
     def to_arg(self) -> str:
         return f"{self.path}:{self.scale:g}:{self.expert}"
@@ -62,6 +66,23 @@ def parse_lora_arg(text: str) -> LoraRequest:
     if not path:
         raise LoraError(f"--lora {text!r} names no file; write PATH[:SCALE][:EXPERT]")
     return LoraRequest(path, scale, expert)
+
+
+def parse_named_lora_arg(text: str) -> LoraRequest:
+    """``NAME=PATH[:EXPERT]`` (``serve --lora``) as a :class:`LoraRequest` named ``NAME`` (a
+    request picks it by that name and gives its scale); :class:`LoraError` for a missing or odd
+    name or a scale in the argument."""
+    name, eq, rest = text.partition("=")
+    if not eq or not rest:
+        raise LoraError(f"--lora {text!r}: a served adapter needs a name; write NAME=PATH[:EXPERT], e.g. "
+                        "distill=distill.safetensors (a request picks it by NAME)")
+    if not NAME.fullmatch(name):
+        raise LoraError(f"--lora {text!r}: the name {name!r} is not 1-64 letters, digits, '_' or '-'; pick such a name")
+    r = parse_lora_arg(rest)
+    if r.path != rest.removesuffix(f":{r.expert}"):  # a SCALE was parsed off the path
+        raise LoraError(f"--lora {text!r}: a served adapter's scale is each request's; write NAME=PATH[:EXPERT] and "
+                        f'send "loras": [{{"name": "{name}", "scale": S}}] with a job')
+    return LoraRequest(r.path, 1.0, r.expert, name)
 
 
 def read_lora_file(path: str | Path) -> dict[str, torch.Tensor]:

@@ -10,7 +10,8 @@ the clients tt-inference-server ships for it work unchanged:
   ``num_inference_steps``, ``seed``, ``negative_prompt``): 202 and the job. Bad fields get 422 with
   one line naming the field and the fix (``generate``'s rules, and the image rules of
   :mod:`wan_sharding.jobs.conditioning`); an upload that is not PNG, JPEG or WebP 415, one over the
-  size limit 413; a full queue 429 with ``Retry-After``; nothing is queued in any of these cases.
+  size limit 413; an adapter name in ``loras`` the server did not register (``serve --lora``) 400;
+  a full queue 429 with ``Retry-After``; nothing is queued in any of these cases.
 - ``GET /v1/videos/generations/{id}``: the job; ``.../download``: the video (``video/mp4``), 404
   until the job is completed; ``POST .../cancel``: the job (``cancelled``, or ``cancelling`` until
   its step ends), 404 for a job that already ended.
@@ -37,8 +38,8 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..jobs.conditioning import IMAGE_CONTENT_TYPES, Conditioning, ImageTooLarge, check_image, image_format, image_from_base64
-from ..jobs.requests import (TEXT_BODY_BYTES, RequestLimits, UsageError, check_counts, check_limits, check_video,
-                             video_factors)
+from ..jobs.requests import (TEXT_BODY_BYTES, RequestLimits, UsageError, check_adapters, check_counts, check_limits,
+                             check_video, video_factors)
 from .store import FINISHED, STATUSES, StoreError, public_message
 from .supervisor import HISTOGRAM_BUCKETS, Supervisor
 
@@ -53,6 +54,16 @@ class SafeJSON(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class AdapterChoice(BaseModel):
+    """One adapter a job runs with: a name the server registered (``serve --lora NAME=PATH``)
+    and its weight in ``set_adapters``. tt-media-server's video request has no such field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(max_length=64)
+    scale: float | int = 1.0
 
 
 class GenerationRequest(BaseModel):
@@ -71,6 +82,7 @@ class GenerationRequest(BaseModel):
     height: int | None = None
     width: int | None = None
     video_format: Literal["mp4", "gif"] = "mp4"
+    loras: list[AdapterChoice] | None = None
 
 
 class ImagePrompt(BaseModel):
@@ -115,15 +127,19 @@ def validation_line(errors: list[dict[str, Any]]) -> str:
 
 
 def resolve_request(body: GenerationRequest, defaults: dict[str, Any], variant: str, model: str | None,
-                    cache: str, limits: RequestLimits, count_tokens: Callable[[str], int] | None = None
-                    ) -> dict[str, Any]:
+                    cache: str, limits: RequestLimits, count_tokens: Callable[[str], int] | None = None,
+                    adapters: tuple[str, ...] = ()) -> dict[str, Any]:
     """The job's full settings (defaults filled in), checked with ``generate``'s rules and within
-    ``limits`` (``count_tokens``: the served pipeline's tokenizer, for the prompt's token limit).
+    ``limits`` (``count_tokens``: the served pipeline's tokenizer, for the prompt's token limit);
+    its ``loras`` among the server's ``adapters`` (none given: the key is left out, adapters off).
 
     Raises:
         UsageError: one line naming the field and the fix.
     """
     req = body.model_dump(exclude={"image_prompts"})
+    loras = req.pop("loras")
+    if loras:
+        req["loras"] = check_adapters(loras, adapters)
     for key, value in defaults.items():
         if req.get(key) is None:
             req[key] = value
@@ -160,7 +176,10 @@ def metrics_text(sup: Supervisor) -> str:
               "# TYPE wan_sharding_worker_restarts_total counter",
               f"wan_sharding_worker_restarts_total {sup.restarts}",
               "# HELP wan_sharding_ready 1 when a worker is warm and serving.", "# TYPE wan_sharding_ready gauge",
-              f"wan_sharding_ready {int(sup.state == 'ready')}"]
+              f"wan_sharding_ready {int(sup.state == 'ready')}",
+              "# HELP wan_sharding_adapter_jobs_total Jobs accepted that run with this adapter (this server process).",
+              "# TYPE wan_sharding_adapter_jobs_total counter"]
+    lines += [f'wan_sharding_adapter_jobs_total{{adapter="{name}"}} {n}' for name, n in sup.adapter_jobs.items()]
     per_worker = [("wan_sharding_worker_ready", "gauge", "1 when this worker is warm and serving.",
                    lambda r: int(r.status[0] == "ready")),
                   ("wan_sharding_worker_busy", "gauge", "1 while this worker runs a job.", lambda r: int(bool(r.running))),
@@ -204,7 +223,7 @@ def body_limits(limits: RequestLimits) -> Callable[[str], int]:
 
 
 def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model: str | None, cache: str,
-               rules: Conditioning, limits: RequestLimits) -> FastAPI:
+               rules: Conditioning, limits: RequestLimits, adapters: tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI application over a started (or starting) :class:`Supervisor`; ``rules``: what
     the served pipeline does with images; ``limits``: what one request may cost. The key and the
     body's size are checked before it (:class:`~.guard.Guard`); its interactive docs are off and
@@ -221,7 +240,7 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
         return _error(503, str(exc), {"Retry-After": "5"})
 
     def resolve(body: GenerationRequest) -> dict[str, Any]:
-        return resolve_request(body, defaults, variant, model, cache, limits, sup.count_tokens())
+        return resolve_request(body, defaults, variant, model, cache, limits, sup.count_tokens(), adapters)
 
     def job_or_404(job_id: str) -> dict[str, Any] | JSONResponse:
         job = sup.store.get(job_id)
@@ -253,7 +272,7 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
             rules.check_text_only()
             req = resolve(body)
         except UsageError as e:
-            return _error(422, str(e))
+            return _error(e.status, str(e))
         return queue(req, None)
 
     @app.post(f"{PREFIX}/generations/i2v", status_code=202)
@@ -268,7 +287,7 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
                        p.frame_pos) for i, p in enumerate(body.image_prompts)]
             return conditioned(body, images)
         except UsageError as e:  # an image over the limit too: 422, as tt-media-server's JSON route
-            return _error(422, str(e))
+            return _error(e.status, str(e))
 
     @app.post(f"{PREFIX}/generations/i2v/upload", status_code=202)
     def submit_i2v_upload(prompt: str = Form(...), image: UploadFile = File(...), frame_pos: int = Form(0),
@@ -299,7 +318,7 @@ def create_app(sup: Supervisor, *, defaults: dict[str, Any], variant: str, model
         except ImageTooLarge as e:
             return _error(413, str(e))
         except UsageError as e:
-            return _error(422, str(e))
+            return _error(e.status, str(e))
 
     @app.get(f"{PREFIX}/generations/{{job_id}}")
     def status(job_id: str) -> Any:

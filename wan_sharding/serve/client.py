@@ -110,7 +110,7 @@ class Client:
     def submit(self, image: ImageSource | None = None, frame_pos: int = 0,
                image_prompts: Sequence[tuple[ImageSource, int]] = (), **fields: Any) -> dict[str, Any]:
         """Queue a job; the job. Fields: ``prompt``, ``negative_prompt``, ``num_inference_steps``,
-        ``seed``, ``guidance_scale``, ``num_frames``, ``height``, ``width``, ``video_format``
+        ``seed``, ``guidance_scale``, ``num_frames``, ``height``, ``width``, ``video_format``, ``loras``
         (``None`` ones are left out: the server's defaults).
 
         Text to video: ``POST /v1/videos/generations``. With ``image`` (a file's path or bytes, at

@@ -96,7 +96,7 @@ def worker_specs(p: dict[str, Any], defaults: dict[str, Any]) -> list[WorkerSpec
     from ..jobs.launch import worker_env
 
     base = {k: p.get(k) for k in ("backend", "mesh", "plan", "padding", "patches", "cache", "dtype", "variant",
-                                  "model", "text_encoder", "vae", "prompt_cache_mb")}
+                                  "model", "text_encoder", "vae", "prompt_cache_mb", "lora")}
     base["defaults"] = defaults
     replicas, plan = replicas_of(p)
     specs = []
@@ -204,7 +204,8 @@ def serve(p: dict[str, Any], say: Any = print) -> int:
     limits = request_limits(p)
     app = create_app(sup, defaults={k: defaults[k] for k in ("num_inference_steps", "num_frames", "height", "width")},
                      variant=p["variant"], model=p.get("model"), cache=p.get("cache") or "none",
-                     rules=conditioning(p["variant"], p.get("model")), limits=limits)
+                     rules=conditioning(p["variant"], p.get("model")), limits=limits,
+                     adapters=tuple(sup.adapter_jobs))
     guarded = Guard(app, p.get("api_key"), body_limits(limits), p.get("body_timeout") or BODY_TIMEOUT_S)
     protocol = guarded_protocol(p.get("header_timeout") or HEADER_TIMEOUT_S, p.get("max_connections") or MAX_CONNECTIONS)
     server = _Server(uvicorn.Config(guarded, http=protocol, log_level="warning", access_log=False, lifespan="off",

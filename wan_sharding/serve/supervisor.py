@@ -63,6 +63,8 @@ class Supervisor:
         self._tokenizer: Any = None
         self.storage_failures: list[str] = []  # jobs failed for a storage reason since the last completed one
         self.replicas = [Replica(self, i, spec) for i, spec in enumerate(specs)]
+        # jobs accepted per adapter (serve --lora NAME=PATH), for /metrics
+        self.adapter_jobs = {a["adapter"]: 0 for a in specs[0].config.get("lora") or []} if specs else {}
 
     # ---- what the API reads --------------------------------------------------------------------
 
@@ -161,6 +163,9 @@ class Supervisor:
         self.prune()
         job = self.store.create(request, self.model, images, queued_limit=self.queue_size)
         if job is not None:
+            with self._wake:
+                for choice in request.get("loras") or ():
+                    self.adapter_jobs[choice["name"]] = self.adapter_jobs.get(choice["name"], 0) + 1
             self.notify()
         return job
 

@@ -68,6 +68,13 @@ class Resident:
                      else load_pipeline(config["model"], dtype))
         self.pipe.set_progress_bar_config(disable=True)
         self.variant = config["variant"] if self.tiny else pipeline_variant(self.pipe)
+        self.adapters: list[str] = []  # serve --lora: loaded once, before sharding; off until a job names them
+        if config.get("lora"):
+            from ..lora.files import LoraRequest
+            from ..lora.load import load_loras
+
+            self.adapters = load_loras(self.pipe, [LoraRequest(**r) for r in config["lora"]])
+            self.pipe.disable_lora()
         self.cache = config.get("cache") or "none"
         self.cache_steps: int | None = None  # the step count the enabled cache is set up for
         self.mag_ratios = None
@@ -112,7 +119,7 @@ class Resident:
                                "broken (try --dtype fp32 or another mesh)")
         emit({"event": "ready", "variant": self.variant, "dtype": self.dtype, "build_seconds": round(build_s, 3),
               "shard_seconds": round(shard_s, 3), "warmup_seconds": round(warm_s, 3),
-              "warmup_shape": list(frames.shape), "text_encoder": self.text_encoder,
+              "warmup_shape": list(frames.shape), "text_encoder": self.text_encoder, "adapters": self.adapters,
               "prompt_cache": self.prompt_cache(), "tokenizer": self.tokenizer_json(),
               "vae": self.vae_calls()})
 
@@ -191,10 +198,24 @@ class Resident:
 
         if self.cache != "none":
             self._cache_for(steps)
+        self._use_adapters(req.get("loras") or [])
         pipe = self.i2v if images else self.pipe
         start = time.perf_counter()
         out = pipe(**self.kwargs(req, images, pipe), output_type="np", callback_on_step_end=on_step)
         return out.frames[0], [b - a for a, b in zip([start] + marks[:-1], marks)]
+
+    def _use_adapters(self, choices: list[dict[str, Any]]) -> None:
+        """The job's adapters (``[{"name", "scale"}]``, checked by the server) made the active ones
+        with their scales, or every adapter off for a job that names none: diffusers'
+        ``set_adapters`` / ``disable_lora`` on the sharded experts, which keep their placed base
+        weights (a new scale reuses the compiled forward: docs/lora.md)."""
+        if not self.adapters:
+            return
+        if not choices:
+            self.pipe.disable_lora()
+            return
+        self.pipe.enable_lora()
+        self.pipe.set_adapters([c["name"] for c in choices], [float(c["scale"]) for c in choices])
 
     def _cache_for(self, steps: int) -> None:
         """The step cache set up for a run of ``steps`` steps, its state cleared: kept enabled
