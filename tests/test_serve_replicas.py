@@ -100,7 +100,9 @@ def test_two_workers_on_two_sub_meshes(server):
 
 
 def test_a_client_written_as_tt_media_servers_runs_t2v_and_i2v(server, tmp_path):
-    """T2V and I2V submitted together: both saved as playable MP4s (they run side by side)."""
+    """T2V and I2V submitted together: both saved as playable MP4s. Which worker takes each depends on
+    when the second request lands (a 2-step job can finish first on a loaded host); two jobs running
+    side by side on the two workers is checked with long jobs in the next test."""
     i2v = {"prompt": "the fox turns its head", "negative_prompt": "blurry, low quality, distorted",
            "num_inference_steps": 2, "seed": 42,
            "image_prompts": [{"image": base64.b64encode(FIRST).decode("ascii"), "frame_pos": 0}]}
@@ -125,7 +127,6 @@ def test_a_client_written_as_tt_media_servers_runs_t2v_and_i2v(server, tmp_path)
         frames = mp4_frames(path.read_bytes(), tmp_path)
         assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
         assert server.job(path.stem)["status"] == "completed"
-    assert {server.job(p.stem)["worker"] for p in saved.values()} == {0, 1}  # one on each worker
 
 
 def test_two_jobs_at_once_and_the_loss_of_one_worker(server, reference):

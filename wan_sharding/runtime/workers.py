@@ -94,7 +94,7 @@ _LIVE_LOCK = threading.Lock()
 def with_package_path(env: dict[str, str]) -> dict[str, str]:
     """``env`` with this package's source root first on ``PYTHONPATH`` (once), so a worker imports
     the same copy as its parent, also from a source checkout."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])  # wan_sharding/runtime/workers.py -> the source root
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
     env["PYTHONPATH"] = os.pathsep.join([root, *rest])
     return env
