@@ -21,7 +21,7 @@ Imports no backend and no ``peft``: layers are recognised by their attributes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -164,6 +164,46 @@ def scales_as(model: torch.nn.Module, values: Mapping[str, Any]) -> Iterator[Non
     finally:
         for scaling, adapter, value in reversed(saved):
             scaling[adapter] = value
+
+
+def program_scales(model: torch.nn.Module) -> dict[str, float]:
+    """The low-rank terms a compiled program keeps and their scales now: ``live_scales``' keys and
+    values, and a disabled layer's active adapters too, with scale 0.0. Adding ``0 * x`` for a
+    finite ``x`` adds exactly nothing, so a program over these keys computes the base forward when
+    every scale is 0, and ``disable_lora`` / ``enable_lora`` only change the program's inputs."""
+    out = {}
+    for path, m in lora_modules(model).items():
+        if m.merged:
+            continue
+        for adapter in m.active_adapters:
+            if adapter in m.lora_A:
+                out[f"{path}|{adapter}"] = 0.0 if m.disable_adapters else float(m.scaling[adapter])
+    return out
+
+
+@contextlib.contextmanager
+def adapters_enabled(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block every LoRA layer reads as enabled (its disabled state is then a scale of 0,
+    :func:`program_scales`) and each layer's ``scaling`` may be written; both are put back after,
+    so PEFT's own state is as it was."""
+    layers = [m for m in lora_modules(model).values() if not m.merged]
+    saved = [(m, m._disable_adapters, dict(m.scaling)) for m in layers]
+    try:
+        for m in layers:
+            m._disable_adapters = False  # PEFT's flag behind ``disable_adapters`` (tuners_utils.BaseTunerLayer)
+        yield
+    finally:
+        for m, disabled, scaling in saved:
+            m._disable_adapters = disabled
+            m.scaling.clear()
+            m.scaling.update(scaling)
+
+
+def scale_targets(model: torch.nn.Module, keys: Sequence[str]) -> tuple[tuple[torch.nn.Module, str], ...]:
+    """``(layer, adapter)`` for each key of :func:`program_scales`, in order: where a compiled
+    program writes the scale it is given."""
+    layers = lora_modules(model)
+    return tuple((layers[path], adapter) for path, _, adapter in (key.rpartition("|") for key in keys))
 
 
 def lora_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -313,3 +313,26 @@ def compiled_step_program(fn: Callable[..., Any], model: torch.nn.Module, backen
     code = program.__code__.replace(co_name=name)
     compiled = types.FunctionType(code, program.__globals__, name, program.__defaults__, program.__closure__)
     return torch.compile(compiled, backend=backend, dynamic=False)
+
+
+def compiled_lora_forward(dit: torch.nn.Module, targets: tuple[tuple[torch.nn.Module, str], ...], backend: str,
+                          name: str) -> Callable[[tuple, tuple, dict], torch.Tensor]:
+    """``dit``'s forward with its LoRA adapters' scales as inputs, through ``torch.compile(backend=
+    backend, dynamic=False)``: called with one 0-dim tensor per ``(layer, adapter)`` of
+    ``targets`` (``lora_layers.scale_targets``), the forward's args and kwargs. Each scale is
+    written into its layer's ``scaling`` inside the program, so PEFT's forward multiplies by a
+    graph input: dynamo guards on a Python float it reads (a new weight would be a new graph) and
+    makes a tensor it finds on a module a constant of the graph, a weight; an argument is neither.
+    The caller puts PEFT's floats back after (``lora_layers.adapters_enabled``). ``dit`` is a free
+    variable, so its weights are the graph's parameters as in :func:`compiled_step_program`; the
+    program gets a code object of its own named ``name``."""
+    import types
+
+    def program(scales: tuple, a: tuple, k: dict) -> torch.Tensor:
+        for (layer, adapter), value in zip(targets, scales):
+            layer.scaling[adapter] = value
+        return dit(*a, **k, return_dict=False)[0]
+
+    code = program.__code__.replace(co_name=name)
+    compiled = types.FunctionType(code, program.__globals__, name, program.__defaults__, program.__closure__)
+    return torch.compile(compiled, backend=backend, dynamic=False)

@@ -23,9 +23,11 @@ from typing import Any, Mapping
 
 import torch
 
+from ..lora_layers import adapters_enabled, lora_parameters, program_scales, scale_targets
 from ..mesh import MeshSpec
 from ..specs import Spec
-from .base import BackendError, compiled_cache_program, compiled_step_program, input_signature, with_xla_flags
+from .base import (BackendError, compiled_cache_program, compiled_lora_forward, compiled_step_program, input_signature,
+                   with_xla_flags)
 from .tt_norms import NormPins, norm_pin_refusal
 from .tt_options import COMPILE_OPTIONS_ENV, FIELD_KEYS, PLUGIN_OPTIONS, TTCompileOptions, TTOptionsError  # noqa: F401
 from .xla import XlaBackend
@@ -189,6 +191,10 @@ class TTBackend(XlaBackend):
         # Per model (weakly): the weight specs ``place`` marked, by name, and the RMSNorm pins.
         self._placed_specs: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._pins: "weakref.WeakKeyDictionary[torch.nn.Module, NormPins]" = weakref.WeakKeyDictionary()
+        # Per model: its LoRA parameters on the devices, by name (a hotswap writes new values into
+        # these very objects), and its adapters' scales as device scalars with the values they hold.
+        self._lora_params: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+        self._scale_inputs: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
         super().__init__(mesh, native_mesh)
 
     def _make_mesh(self, mesh: MeshSpec) -> Any:
@@ -212,14 +218,37 @@ class TTBackend(XlaBackend):
         self._placed_specs[dit] = dict(specs.by_name() if hasattr(specs, "by_name")
                                        else {n: specs[p] for n, p in dit.named_parameters()})
         self._unpin_norms(dit)
-        return super().place(dit, specs)
+        placed = super().place(dit, specs)
+        self._lora_params[dit] = lora_parameters(dit)
+        return placed
 
     def place_lora(self, dit: torch.nn.Module, placed: Any, specs: Mapping[str, Spec]) -> None:
-        """As the xla backend, the LoRA specs kept beside the base's for the check before the next
-        compile (dynamo compiles the forward again: its guards hold the parameters)."""
+        """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh from their
+        current values (a hotswap may have written host copies), marked with their specs; the base
+        weights stay as they are. A parameter of a name placed before, of the same shape and dtype,
+        gets its new values in the very same ``Parameter`` object (``.data``): the compiled forward
+        holds these objects, so a hotswap of an adapter with the same rank and targets compiles
+        nothing. The specs are kept beside the base's for the check before the next compile."""
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
         self._placed_specs[dit] = {**{n: s for n, s in self._placed_specs.get(dit, {}).items()
                                       if n in dict(dit.named_parameters())}, **specs}
-        super().place_lora(dit, placed, specs)
+        torch_xla.sync()  # in-place writes on the devices, if any, as one graph
+        before, now = self._lora_params.get(dit, {}), {}
+        for name, spec in specs.items():
+            owner, _, attr = name.rpartition(".")
+            module = dit.get_submodule(owner)
+            current = module._parameters[attr]
+            value = current.detach().to("cpu").to(self.device)
+            xs.mark_sharding(value, self.native_mesh, spec)
+            param = before.get(name)
+            if param is not None and param.shape == value.shape and param.dtype == value.dtype:
+                param.data = value  # the same object, new values, split as marked
+            else:
+                param = torch.nn.Parameter(value, requires_grad=current.requires_grad)
+            module._parameters[attr] = now[name] = param
+        self._lora_params[dit] = now
 
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         # Returns a new value, so replicated-then-sharded stays two constraints in the graph.
@@ -249,20 +278,43 @@ class TTBackend(XlaBackend):
 
     def compiled_for(self, dit: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         """The compiled forward of ``dit`` for inputs like these: made (and the compile options
-        applied) on first use, the same object for every later call with the same signature."""
+        applied) on first use, the same object for every later call with the same signature and,
+        with LoRA adapters, the same low-rank terms (:func:`~wan_sharding.lora_layers.program_scales`'
+        keys: which adapters on which layers); their scales are its inputs (:meth:`_lora_forward`)."""
         entry = self._compiled.get(id(dit))
         if entry is None or entry[0] is not dit:
             entry = self._compiled[id(dit)] = (dit, {})
-        key = (input_signature(args), input_signature(kwargs))
+        terms = tuple(program_scales(dit))
+        key = (input_signature(args), input_signature(kwargs)) + ((("lora", terms),) if terms else ())
         self.pin_norms(dit)
         compiled = entry[1].get(key)
         if compiled is None:
             _apply_compile_options(self.compile_options.to_torch_xla())
             # dynamic=False: a new input shape gets a compile of its own for that shape (tt-mlir
             # compiles static shapes), not a symbolic-shape recompile of the first one.
-            compiled = entry[1][key] = torch.compile(dit, backend="tt", dynamic=False)
+            if terms:
+                program = compiled_lora_forward(dit, scale_targets(dit, terms), "tt", f"lora_forward{len(entry[1])}")
+                compiled = self._lora_forward(dit, program)
+            else:
+                compiled = torch.compile(dit, backend="tt", dynamic=False)
+            entry[1][key] = compiled
             self.compiles += 1
         return compiled
+
+    def _lora_forward(self, dit: torch.nn.Module, program: Any) -> Any:
+        """``program`` (:func:`~.base.compiled_lora_forward`) called as the model is: each call
+        hands it the adapters' scales now as 0-dim float32 device tensors, uploaded again only when
+        a value changed, with every LoRA layer read as enabled (a disabled one has scale 0)."""
+        def forward(*args: Any, return_dict: bool = False, **kwargs: Any) -> tuple[torch.Tensor]:
+            values = tuple(program_scales(dit).values())
+            kept = self._scale_inputs.get(dit)
+            if kept is None or kept[0] != values:
+                kept = self._scale_inputs[dit] = (values, tuple(torch.tensor(v, dtype=torch.float32).to(self.device)
+                                                                for v in values))
+            with adapters_enabled(dit):
+                return (program(kept[1], args, kwargs),)
+
+        return forward
 
     def run_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One compiled forward. Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` (8)
