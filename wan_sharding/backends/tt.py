@@ -9,6 +9,8 @@ would trace and compile the whole DiT again every time, which is what Tenstorren
 helpers avoid with a process-level cache keyed by model and input shapes (tt-xla,
 ``tests/torch/models/wan14b/shared.py``, ``run_component``). The tt-mlir compiler options
 (:class:`~.tt_options.TTCompileOptions`) go to ``torch_xla.set_custom_compile_options`` before the first compile.
+A model with LoRA adapters is compiled with its adapters' scales as the program's inputs, so
+switching weights, ``disable_lora`` / ``enable_lora`` and a hotswap of the same rank reuse it.
 
 That stack comes from Tenstorrent's package index with their torch-xla build and cannot be
 installed here; ``tests/test_tt_contract.py`` checks what this backend sends to it with stand-ins.
