@@ -741,12 +741,35 @@ def _fp32_grade(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return pcc, (out - ref).abs().max().item()
 
 
-def test_tt_lora_switches_reuse_the_compiled_graph(tt_stand_ins, spmd_marks, monkeypatch):
-    """Switching adapters on tt under REAL dynamo: ``torch.compile`` is torch's own here, with a
+@pytest.fixture
+def real_dynamo_tt(tt_stand_ins, monkeypatch):
+    """REAL dynamo for ``torch.compile(backend="tt")``: torch's own ``torch.compile``, a
     graph-counting ``"tt"`` dynamo backend standing in for tt_torch's (which cannot be installed
-    here; it runs each graph as it is) and ``inline_inbuilt_nn_modules=False`` as tt-xla's plugin
-    sets it. The adapters' scales reach the graph as its inputs (0-dim float32 placeholders, one per
-    LoRA layer and active adapter), not as guarded Python floats nor as weights of the graph, so a
+    here; it runs each graph as it is), ``inline_inbuilt_nn_modules=False`` as tt-xla's plugin sets
+    it, and the pins' constraints passed through without the recorder's list (dynamo would guard on
+    its length). Yields the graphs, each as ``scales`` (its 0-dim tensor inputs) and ``weights``
+    (the shapes of the graph's own parameters, what tt-xla marks ``parameter``)."""
+    from torch._dynamo.backends import registry
+
+    graphs = []
+
+    def counting_tt(gm, example_inputs):
+        graphs.append(SimpleNamespace(scales=sum(isinstance(t, torch.Tensor) and t.ndim == 0 for t in example_inputs),
+                                      weights=[tuple(p.shape) for p in gm.parameters()]))
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", REAL_COMPILE)
+    monkeypatch.setitem(registry._COMPILER_FNS, "tt", counting_tt)  # this test only: both registry tables
+    monkeypatch.setitem(registry._BACKENDS, "tt", None)
+    monkeypatch.setattr(sys.modules["tt_torch.sharding"], "sharding_constraint_tensor", lambda t, *a, **k: t)
+    with torch._dynamo.config.patch(inline_inbuilt_nn_modules=False):
+        yield graphs
+    torch._dynamo.reset()
+
+
+def test_tt_lora_switches_reuse_the_compiled_graph(real_dynamo_tt, spmd_marks):
+    """Switching adapters on tt under REAL dynamo (``real_dynamo_tt``). The adapters' scales reach
+    the graph as its inputs (0-dim float32 placeholders, one per LoRA layer and active adapter), not as guarded Python floats nor as weights of the graph, so a
     new ``set_adapters`` weight, ``disable_lora`` (scale 0), ``enable_lora`` and a hotswap of an
     adapter with the same rank and targets make no new graph; another set of adapters makes one.
     After every switch the output is the unsharded model's with the same adapters (a copy switched
@@ -757,21 +780,6 @@ def test_tt_lora_switches_reuse_the_compiled_graph(tt_stand_ins, spmd_marks, mon
     from wan_sharding.lora.tiny import adapter_state
     from wan_sharding.lora_layers import lora_modules, lora_parameters
 
-    graphs = []
-
-    def counting_tt(gm, example_inputs):
-        graphs.append(SimpleNamespace(scales=sum(isinstance(t, torch.Tensor) and t.ndim == 0 for t in example_inputs),
-                                      weights=[tuple(p.shape) for p in gm.parameters()]))
-        return gm.forward
-
-    from torch._dynamo.backends import registry
-
-    monkeypatch.setattr(torch, "compile", REAL_COMPILE)
-    monkeypatch.setitem(registry._COMPILER_FNS, "tt", counting_tt)  # this test only: both registry tables
-    monkeypatch.setitem(registry._BACKENDS, "tt", None)
-    monkeypatch.setattr(torch._dynamo.config, "inline_inbuilt_nn_modules", False)
-    # the RMSNorm pins' constraints pass through without the recorder's list (dynamo would guard on its length)
-    monkeypatch.setattr(sys.modules["tt_torch.sharding"], "sharding_constraint_tensor", lambda t, *a, **k: t)
     dit = build_dit("t2v-a14b")
     dit.load_lora_adapter(adapter_state(dit, rank=4, bias=True), adapter_name="a")
     ref = copy.deepcopy(dit)  # the unsharded model, switched alike
@@ -781,7 +789,7 @@ def test_tt_lora_switches_reuse_the_compiled_graph(tt_stand_ins, spmd_marks, mon
     by_name = specs.by_name()
     weights_before = {n: id(p) for n, p in dit.named_parameters()}
     inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
-    new_graphs = {}
+    graphs, new_graphs = real_dynamo_tt, {}
 
     def switch(name, change):
         before = len(graphs)
@@ -794,38 +802,35 @@ def test_tt_lora_switches_reuse_the_compiled_graph(tt_stand_ins, spmd_marks, mon
         new_graphs[name] = len(graphs) - before
         return out
 
-    try:
-        first = switch("first forward", lambda m: None)
-        switch("set_adapters weight 0.3", lambda m: m.set_adapters(["a"], [0.3]))
-        switch("set_adapters weight 1.7", lambda m: m.set_adapters(["a"], [1.7]))
-        off = switch("disable_lora", lambda m: m.disable_lora())
-        with torch.no_grad():
-            assert (off - first).abs().max() > 1e-3  # the adapter's terms are really off
-        switch("enable_lora", lambda m: m.enable_lora())
-        swapped = adapter_state(dit, rank=4, bias=True, seed=1)
+    first = switch("first forward", lambda m: None)
+    switch("set_adapters weight 0.3", lambda m: m.set_adapters(["a"], [0.3]))
+    switch("set_adapters weight 1.7", lambda m: m.set_adapters(["a"], [1.7]))
+    off = switch("disable_lora", lambda m: m.disable_lora())
+    with torch.no_grad():
+        assert (off - first).abs().max() > 1e-3  # the adapter's terms are really off
+    switch("enable_lora", lambda m: m.enable_lora())
+    swapped = adapter_state(dit, rank=4, bias=True, seed=1)
 
-        def hotswap(model):
-            model.load_lora_adapter(swapped, adapter_name="a", hotswap=True)
-            if model is dit:  # as the sharded pipeline does after a load (pipeline/lora.py)
-                marks = len(spmd_marks)
-                backend.place_lora(dit, None, {n: by_name[n] for n in lora_parameters(dit)})
-                assert len(spmd_marks) - marks == len(lora_parameters(dit))  # the LoRA weights re-marked only
+    def hotswap(model):
+        model.load_lora_adapter(swapped, adapter_name="a", hotswap=True)
+        if model is dit:  # as the sharded pipeline does after a load (pipeline/lora.py)
+            marks = len(spmd_marks)
+            backend.place_lora(dit, None, {n: by_name[n] for n in lora_parameters(dit)})
+            assert len(spmd_marks) - marks == len(lora_parameters(dit))  # the LoRA weights re-marked only
 
-        switch("hotswap, same rank and targets", hotswap)
-        kept = {n: id(p) for n, p in dit.named_parameters()} == weights_before  # the very parameters, new values
-        second = adapter_state(dit, rank=2, seed=2, blocks_only=True)
+    switch("hotswap, same rank and targets", hotswap)
+    kept = {n: id(p) for n, p in dit.named_parameters()} == weights_before  # the very parameters, new values
+    second = adapter_state(dit, rank=2, seed=2, blocks_only=True)
 
-        def add_second(model):
-            model.load_lora_adapter(second, adapter_name="b")
-            model.set_adapters(["a", "b"], [0.5, 1.2])
-            if model is dit:
-                lora = lora_parameters(dit)
-                backend.place_lora(dit, None, {n: shard_dit_specs(dit, "2x4").by_name()[n] for n in lora})
+    def add_second(model):
+        model.load_lora_adapter(second, adapter_name="b")
+        model.set_adapters(["a", "b"], [0.5, 1.2])
+        if model is dit:
+            lora = lora_parameters(dit)
+            backend.place_lora(dit, None, {n: shard_dit_specs(dit, "2x4").by_name()[n] for n in lora})
 
-        switch("a second adapter, both active", add_second)
-        switch("set_adapters weights of both", lambda m: m.set_adapters(["a", "b"], [1.0, 0.25]))
-    finally:
-        torch._dynamo.reset()
+    switch("a second adapter, both active", add_second)
+    switch("set_adapters weights of both", lambda m: m.set_adapters(["a", "b"], [1.0, 0.25]))
     layers = lora_modules(dit)
     assert new_graphs == {"first forward": 1, "set_adapters weight 0.3": 0, "set_adapters weight 1.7": 0,
                           "disable_lora": 0, "enable_lora": 0, "hotswap, same rank and targets": 0,
@@ -835,3 +840,54 @@ def test_tt_lora_switches_reuse_the_compiled_graph(tt_stand_ins, spmd_marks, mon
     assert [g.scales for g in graphs] == [len(layers), len(layers) + sum("b" in m.lora_A for m in layers.values())]
     assert all(len(shape) > 0 for g in graphs for shape in g.weights)
     assert all(isinstance(m.scaling[a], float) for m in layers.values() for a in m.scaling)  # PEFT's own, as it was
+
+
+def test_tt_lora_switches_under_a_block_cache_reuse_its_programs(real_dynamo_tt, spmd_marks):
+    """The same switches with FirstBlockCache on (its programs, ``cached_programs``, each compiled
+    by real dynamo, ``real_dynamo_tt``): the programs take the scales as inputs too, so after its
+    four graphs (the head twice) a new weight, ``disable_lora``, ``enable_lora`` and a hotswap add
+    none; decisions and outputs are the unsharded model's with the same cache and adapters."""
+    import copy
+
+    from wan_sharding.caching import wan_cache_config
+    from wan_sharding.caching.probes import install_probe
+    from wan_sharding.dit.specs import shard_dit_specs
+    from wan_sharding.lora.tiny import adapter_state
+    from wan_sharding.lora_layers import lora_parameters
+    from wan_sharding.pipeline import ShardedTransformer
+
+    dit = build_dit("t2v-a14b", num_layers=3)
+    dit.load_lora_adapter(adapter_state(dit, rank=4), adapter_name="a")
+    ref = copy.deepcopy(dit)
+    backend = _tt_backend()
+    specs = shard_dit_specs(dit, "2x4")
+    backend.place(dit, specs)
+    model = ShardedTransformer(dit, backend, None, "transformer", "mask")
+    config = lambda: wan_cache_config("fbc", 3, **CACHE_OVERRIDES["fbc"])  # noqa: E731
+    model.enable_cache(config())
+    reference = install_probe(ref, config())
+    inputs = dit_inputs("t2v-a14b", LatentShape(3, 10, 14))
+    swapped = adapter_state(dit, rank=4, seed=1)
+
+    def hotswap(m):
+        m.load_lora_adapter(swapped, adapter_name="a", hotswap=True)
+        if m is dit:
+            backend.place_lora(dit, None, {n: specs.by_name()[n] for n in lora_parameters(dit)})
+
+    new_graphs = {}
+    for name, change in [("first steps", lambda m: None), ("set_adapters weight 0.4", lambda m: m.set_adapters(["a"], [0.4])),
+                         ("disable_lora", lambda m: m.disable_lora()), ("enable_lora", lambda m: m.enable_lora()),
+                         ("hotswap", hotswap)]:
+        before = len(real_dynamo_tt)
+        for m in (dit, ref):
+            change(m)
+        with torch.no_grad():
+            for step in range(2):  # computed, then skipped (the threshold is never reached)
+                with model.cache_context("cond", step_index=step), ref.cache_context("cond", step_index=step):
+                    pcc, max_abs = _fp32_grade(model(**inputs, return_dict=False)[0], ref(**inputs, return_dict=False)[0])
+                    assert pcc >= 0.99999 and max_abs <= 1e-4, (name, step, pcc, max_abs)
+        new_graphs[name] = len(real_dynamo_tt) - before
+    assert model.cache_stats.decisions == reference.stats.decisions and model.cache_stats.skipped() > 0
+    assert new_graphs == {"first steps": 4, "set_adapters weight 0.4": 0, "disable_lora": 0, "enable_lora": 0,
+                          "hotswap": 0}, new_graphs
+    model.disable_cache()
