@@ -277,8 +277,7 @@ def slice_bytes(shape: tuple[int, ...], index: Any, itemsize: int) -> int:
     return n * itemsize
 
 
-def compiled_cache_program(programs: Any, name: str, dit: torch.nn.Module, backend: str,
-                           targets: tuple[tuple[torch.nn.Module, str], ...] = ()) -> Callable[[tuple, dict, dict], dict]:
+def compiled_cache_program(programs: Any, name: str, dit: torch.nn.Module, backend: str) -> Callable[[tuple, dict, dict], dict]:
     """A cache's program ``name`` among its ``programs`` (:class:`~wan_sharding.caching.programs.BlockPrograms` or
     :class:`~wan_sharding.caching.module_programs.ModulePrograms`) through
     ``torch.compile(backend=backend, dynamic=False)``: called with the forward's inputs and what the
@@ -289,19 +288,10 @@ def compiled_cache_program(programs: Any, name: str, dit: torch.nn.Module, backe
     the SP device check, a dynamo-disabled function that would split the graph, and the backend
     has put the inputs on the device already. Each program gets a code object of its own, because
     dynamo keeps its compiled entries per code object and stops compiling one after
-    ``recompile_limit`` (8) entries: two experts with FirstBlockCache's four programs each reach it.
-
-    With LoRA ``targets`` (``lora_layers.scale_targets``), ``given`` carries their scales under
-    ``lora_layers.SCALES_KEY``, written into PEFT's ``scaling`` inside the program as
-    :func:`compiled_lora_forward` does: inputs, so a new scale compiles nothing."""
+    ``recompile_limit`` (8) entries: two experts with FirstBlockCache's four programs each reach it."""
     import types
 
-    from ..lora_layers import SCALES_KEY
-
     def program(a: tuple, k: dict, given: dict) -> dict:
-        for (layer, adapter), value in zip(targets, given.get(SCALES_KEY, ())):
-            layer.scaling[adapter] = value
-        given = {key: value for key, value in given.items() if key != SCALES_KEY}
         return programs.body(name, lambda: dit.forward(*a, **k, return_dict=False)[0], given)
 
     code = program.__code__.replace(co_name=f"{name}_program")

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..lora_layers import SCALES_KEY, adapters_enabled, program_scales, scale_targets
+from ..lora_layers import adapters_enabled, lora_parameters, program_scales, scale_targets
 from ..mesh import MeshSpec
 from ..specs import Spec
 from .base import (BackendError, compiled_cache_program, compiled_lora_forward, compiled_step_program, input_signature,
@@ -193,6 +193,10 @@ class TTBackend(XlaBackend):
         # Per model (weakly): the weight specs ``place`` marked, by name, and the RMSNorm pins.
         self._placed_specs: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._pins: "weakref.WeakKeyDictionary[torch.nn.Module, NormPins]" = weakref.WeakKeyDictionary()
+        # Per model: its LoRA parameters on the devices, by name (a hotswap writes new values into
+        # these very objects), and its adapters' scales as device scalars with the values they hold.
+        self._lora_params: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+        self._scale_inputs: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
         super().__init__(mesh, native_mesh)
 
     def _make_mesh(self, mesh: MeshSpec) -> Any:
@@ -216,15 +220,37 @@ class TTBackend(XlaBackend):
         self._placed_specs[dit] = dict(specs.by_name() if hasattr(specs, "by_name")
                                        else {n: specs[p] for n, p in dit.named_parameters()})
         self._unpin_norms(dit)
-        return super().place(dit, specs)
+        placed = super().place(dit, specs)
+        self._lora_params[dit] = lora_parameters(dit)
+        return placed
 
     def place_lora(self, dit: torch.nn.Module, placed: Any, specs: Mapping[str, Spec]) -> None:
-        """As the xla backend (a hotswap of the same rank writes into the very parameters the
-        compiled forward holds: nothing compiles again); the LoRA specs kept beside the base's for
-        the check before the next compile."""
+        """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh from their
+        current values (a hotswap may have written host copies), marked with their specs; the base
+        weights stay as they are. A parameter of a name placed before, of the same shape and dtype,
+        gets its new values in the very same ``Parameter`` object (``.data``): the compiled forward
+        holds these objects, so a hotswap of an adapter with the same rank and targets compiles
+        nothing. The specs are kept beside the base's for the check before the next compile."""
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
         self._placed_specs[dit] = {**{n: s for n, s in self._placed_specs.get(dit, {}).items()
                                       if n in dict(dit.named_parameters())}, **specs}
-        super().place_lora(dit, placed, specs)
+        torch_xla.sync()  # in-place writes on the devices, if any, as one graph
+        before, now = self._lora_params.get(dit, {}), {}
+        for name, spec in specs.items():
+            owner, _, attr = name.rpartition(".")
+            module = dit.get_submodule(owner)
+            current = module._parameters[attr]
+            value = current.detach().to("cpu").to(self.device)
+            xs.mark_sharding(value, self.native_mesh, spec)
+            param = before.get(name)
+            if param is not None and param.shape == value.shape and param.dtype == value.dtype:
+                param.data = value  # the same object, new values, split as marked
+            else:
+                param = torch.nn.Parameter(value, requires_grad=current.requires_grad)
+            module._parameters[attr] = now[name] = param
+        self._lora_params[dit] = now
 
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         # Returns a new value, so replicated-then-sharded stays two constraints in the graph.
@@ -282,9 +308,13 @@ class TTBackend(XlaBackend):
         hands it the adapters' scales now as 0-dim float32 device tensors, uploaded again only when
         a value changed, with every LoRA layer read as enabled (a disabled one has scale 0)."""
         def forward(*args: Any, return_dict: bool = False, **kwargs: Any) -> tuple[torch.Tensor]:
-            scales = self.scale_inputs(dit, tuple(program_scales(dit).values()))
+            values = tuple(program_scales(dit).values())
+            kept = self._scale_inputs.get(dit)
+            if kept is None or kept[0] != values:
+                kept = self._scale_inputs[dit] = (values, tuple(torch.tensor(v, dtype=torch.float32).to(self.device)
+                                                                for v in values))
             with adapters_enabled(dit):
-                return (program(scales, args, kwargs),)
+                return (program(kept[1], args, kwargs),)
 
         return forward
 
@@ -372,21 +402,14 @@ class TTBackend(XlaBackend):
         for key in [k for k in entry[1] if k[0] == "cached" and k[1] is not programs]:
             del entry[1][key]
 
-        terms = program_scales(dit)  # LoRA scales: the programs' inputs, as for a whole forward
-        scales = self.scale_inputs(dit, tuple(terms.values())) if terms else ()
-
         def run(name: str, extra: dict) -> dict:
-            key = ("cached", programs, name, signature, input_signature(extra), tuple(terms))
+            key = ("cached", programs, name, signature, input_signature(extra))
             compiled = entry[1].get(key)
             if compiled is None:
                 _apply_compile_options(self.compile_options.to_torch_xla())
-                compiled = entry[1][key] = compiled_cache_program(programs, name, dit, "tt",
-                                                                  scale_targets(dit, tuple(terms)))
+                compiled = entry[1][key] = compiled_cache_program(programs, name, dit, "tt")
                 self.compiles += 1
-            if not terms:
-                return compiled(args, kwargs, extra)
-            with adapters_enabled(dit):
-                return compiled(args, kwargs, {**extra, SCALES_KEY: scales})
+            return compiled(args, kwargs, extra)
 
         return run
 

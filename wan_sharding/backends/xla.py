@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import ast
 import os
-import weakref
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from ..lora_layers import (SCALES_KEY, adapters_enabled, live_scales, lora_parameters, program_scales, scale_targets,
-                           scales_as)
+from ..lora_layers import live_scales, scales_as
 from ..mesh import MeshSpec
 from ..specs import Spec
 from .base import (Backend, BackendError, compiled_cache_program, input_signature, move_module, slice_bytes,
@@ -101,38 +99,23 @@ class XlaBackend(Backend):
         for name, param in dit.named_parameters():
             spec = names[name]
             xs.mark_sharding(param, self.native_mesh, spec)
-        # the LoRA parameters on the devices, by name: place_lora gives a hotswap's values to these objects
-        self.__dict__.setdefault("_lora_params", weakref.WeakKeyDictionary())[dit] = lora_parameters(dit)
         return None
 
     def place_lora(self, dit: torch.nn.Module, placed: Any, specs: Mapping[str, Spec]) -> None:
-        """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh again from their
-        current values (a hotswap or a new adapter may have left them on the host, or written them
-        in place), each marked with its spec; the base weights stay as they are. A parameter of a
-        name placed before, of the same shape and dtype, gets its new values in the very same
-        ``Parameter`` object (``.data``): programs compiled through dynamo hold these objects (its
-        guards check them by identity), so a hotswap of the same rank and targets compiles nothing."""
+        """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh again, each
+        from a host copy (a hotswap or a new adapter may have left it on the host, or written it in
+        place); the base weights stay as they are."""
         import torch_xla
         import torch_xla.distributed.spmd as xs
 
         torch_xla.sync()  # a hotswap's in-place copies on the devices run as one graph, not one per weight read
-        lora_params = self.__dict__.setdefault("_lora_params", weakref.WeakKeyDictionary())
-        before, now = lora_params.get(dit, {}), {}
         for name, spec in specs.items():
             owner, _, attr = name.rpartition(".")
             module = dit.get_submodule(owner)
-            current = module._parameters[attr]
-            value = current.detach().to("cpu").to(self.device)
-            xs.mark_sharding(value, self.native_mesh, spec)
-            param = before.get(name)
-            if param is not None and param.shape == value.shape and param.dtype == value.dtype:
-                param.data = value  # the same object, new values, split as marked
-            else:
-                param = torch.nn.Parameter(value, requires_grad=current.requires_grad)
-            module._parameters[attr] = now[name] = param
-        lora_params[dit] = now
-        if set(now) != set(before):  # other adapters: the cache programs' graphs hold the old ones
-            self.__dict__.get("_cache_programs", {}).pop(id(dit), None)
+            host = module._parameters[attr].detach().to("cpu")
+            module._parameters[attr] = torch.nn.Parameter(host.to(self.device), requires_grad=module._parameters[attr].requires_grad)
+            xs.mark_sharding(module._parameters[attr], self.native_mesh, spec)
+        self.__dict__.get("_cache_programs", {}).pop(id(dit), None)  # dynamo's guards hold the old parameters
 
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         import torch_xla.distributed.spmd as xs
@@ -193,16 +176,6 @@ class XlaBackend(Backend):
         values = torch.tensor(list(scales.values()), dtype=torch.float32).to(self.device)
         return dict(zip(scales, values.unbind()))
 
-    def scale_inputs(self, dit: torch.nn.Module, values: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
-        """The adapters' scales ``values`` (``lora_layers.program_scales``' order) as 0-dim float32
-        device tensors, the inputs of a program compiled through dynamo; kept per model and
-        uploaded again only when a value changed."""
-        kept_all = self.__dict__.setdefault("_scale_inputs", weakref.WeakKeyDictionary())
-        kept = kept_all.get(dit)
-        if kept is None or kept[0] != values:
-            kept = kept_all[dit] = (values, tuple(torch.tensor(v, dtype=torch.float32).to(self.device) for v in values))
-        return kept[1]
-
     def run_function(self, dit: torch.nn.Module, placed: Any, fn: Any, *args: Any) -> Any:
         """``fn(dit, *args)`` traced lazily on the device and materialised at once
         (``torch_xla.sync()``): one graph, compiled once and found again by graph hash; its outputs
@@ -255,20 +228,13 @@ class XlaBackend(Backend):
         signature = (input_signature(args), input_signature(kwargs))
         self._mesh_for_dynamo()
         self._replicate_inputs(args, kwargs)
-        terms = program_scales(dit)  # LoRA scales: the programs' inputs (compiled_cache_program)
-        scales = self.scale_inputs(dit, tuple(terms.values())) if terms else ()
-        self._replicate_inputs(scales, {})  # as the other inputs: unmarked, the bridge would trace again
 
         def run(name: str, extra: dict) -> dict:
-            key = (programs.key, name, signature, input_signature(extra), tuple(terms))
+            key = (programs.key, name, signature, input_signature(extra))
             compiled = entry[2].get(key)
             if compiled is None:
-                compiled = entry[2][key] = compiled_cache_program(programs, name, dit, "openxla",
-                                                                  scale_targets(dit, tuple(terms)))
-            if not terms:
-                return compiled(args, kwargs, extra)
-            with adapters_enabled(dit):
-                return compiled(args, kwargs, {**extra, SCALES_KEY: scales})
+                compiled = entry[2][key] = compiled_cache_program(programs, name, dit, "openxla")
+            return compiled(args, kwargs, extra)
 
         return run
 
