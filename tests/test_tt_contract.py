@@ -21,6 +21,9 @@ device. So these tests replace, and say so plainly:
   hooks, torch-xla SPMD and dynamo are the real ones. The same process counts the RMSNorm pins
   the backend places on TP meshes (1x4, 2x4) in that one graph and compares the output with the
   unsharded model.
+- for LoRA switching, real ``torch.compile`` in this process (the CPU standing in for the TT
+  device): a graph-counting ``"tt"`` dynamo backend in place of tt_torch's, which runs each graph
+  as it is (fixture ``real_dynamo_tt``).
 
 The option keys are checked against the list of keys tt-xla's plugin reads, copied by hand from
 its source below (``PLUGIN_KEYS``).
