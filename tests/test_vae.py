@@ -27,6 +27,7 @@ import torch
 
 from wan_sharding import BackendError, ShardingError, shard_vae
 from wan_sharding.compile import sysdesc
+from wan_sharding.jobs.pcc import compare
 from wan_sharding.jobs.vae_check import VaeCase, run_meshes
 from wan_sharding.mesh import mesh_from_preset
 from wan_sharding.models import build_vae
@@ -164,8 +165,8 @@ def test_no_collective_of_a_decode_step_moves_more_than_a_frame(jobs):
     """The bill rule, on tt-mlir's own output: the tiny Wan 2.2 VAE at 480p on 8x4 (whose 8-long axis
     carried H before, and whose later steps were refused: a ``dynamic_slice`` of the cache), both
     the first step's program, the second's and the one every later latent frame reuses. W lies on the 8-long
-    axis; each collective is an all-gather of halo rows, none larger than the attention's frame
-    gather (the two others: one per mesh axis)."""
+    axis; each collective is an all-gather of halo rows, none larger than a frame, but the
+    attention's K and V gathers (four: each over one mesh axis, then the other)."""
     if "compile" not in jobs:
         pytest.skip("jax-tt-plugin is not installed")
     code, report = jobs["compile"].result()
@@ -178,8 +179,9 @@ def test_no_collective_of_a_decode_step_moves_more_than_a_frame(jobs):
         kinds = {c["kind"] for c in r["collectives"]} - {"mesh_partition"}
         assert kinds == {"all_gather"}, kinds  # no point-to-point chain, no all-to-all
         assert r["largest_collective_bytes"] == r["frame_limit_bytes"] == 32 * 32 * 56 * 2  # 30x52 padded, bf16
-        # every collective is a halo's but the attention's frame gather, one all-gather per mesh axis
-        assert not r["bill_problems"] and r["halo_collectives"] == r["collective_count"] - 2
+        # every collective is a halo's but the attention's K and V gathers, one all-gather each per mesh axis
+        assert not r["bill_problems"] and r["attention_gathers"] == 4
+        assert r["halo_collectives"] == r["collective_count"] - 4
         # the halo against what each chip needs of it (its neighbours' rows): H over 4, W over 8
         assert r["halo_bytes"] > 0 and 4 < r["halo_bytes"] / r["halo_neighbour_bytes"] < 8
 
@@ -230,7 +232,8 @@ def test_a_halo_gather_larger_than_the_frame_gather_is_cut_and_gives_the_same_ro
 
 def _state(vae):
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in vae.modules())
-    attrs = [(n, getattr(m, "_padding", None), getattr(m, "padding", None)) for n, m in vae.named_modules()]
+    attrs = [(n, getattr(m, "_padding", None), getattr(m, "padding", None), "forward" in m.__dict__)
+             for n, m in vae.named_modules()]
     params = [(n, id(p), p.detach().clone()) for n, p in vae.named_parameters()]
     return hooks, attrs, params
 
@@ -252,6 +255,8 @@ def test_decode_returns_what_the_vae_returns_and_remove_restores_it():
     reference = vae.decode(z)
     handle = shard_vae(vae, "2x4", backend="jax")
     assert _state(vae)[0] > before[0] and vae.decoder.conv_in._padding == (0, 0, 0, 0, 0, 0)
+    assert "forward" in vae.decoder.mid_block.attentions[0].__dict__  # the split attention, this instance's
+    assert "forward" not in other.decoder.mid_block.attentions[0].__dict__
     assert not any(m._forward_hooks for m in other.modules())  # another instance is untouched
     with pytest.raises(ShardingError, match="through its handle"):
         vae.decode(z)  # the hooked model called by itself: one line saying how to run it
@@ -295,3 +300,51 @@ def test_specs_are_data():
     channels = channel_specs(meta, mesh_from_preset("8x4"))  # tt-xla's recipe: conv1 out, norm2, conv2 in, on the 8-axis
     assert channels["decoder.mid_block.resnets.0.conv1.weight"][0] == "sp"
     assert channels["decoder.mid_block.resnets.0.conv2.weight"][1] == "sp"
+
+
+@torch.no_grad()
+def test_the_attention_is_split_and_shape_work_is_done_once():
+    """A padded decode (latent 5x8 on 2x4: padded to 6x8, H/2 on sp, W/4 on tp) against the VAE's
+    own, twice. The mid-block attention's program on each chip: scores of its 3x2 shard's 6
+    queries against the 40 logical keys (padded pixels are no keys), never the frame's 40 x 40;
+    K and V reach it by all-gathers of the padded frame's shards. Shape-only work, counted on its
+    cache objects: one frame plan per shape (the same object at the second call), the step
+    function made once, the mask row tables built once per size (two dims at the latent and at
+    each of 3 upsamplings: 8) and the halo's selection matrices once per axis length and
+    direction (2 and 4, +1 and -1: 4), every later conv reading them."""
+    import re
+
+    from wan_sharding.vae.halo import kept_rows, selection
+    from wan_sharding.vae.programs import pad_frame
+
+    vae = build_vae("wan2.1")
+    z = torch.randn(1, 16, 1, 5, 8)
+    reference = vae.decode(z).sample
+    kept_rows.cache_clear()
+    selection.cache_clear()
+    handle = shard_vae(vae, "2x4", backend="jax")
+    try:
+        out = handle.decode(z).sample
+        value, max_abs = compare(reference, out)
+        assert value >= 0.99999 and max_abs <= 1e-4, (value, max_abs)
+        frame, functions = handle.plan_decode(tuple(z.shape)), dict(handle.steps._functions)
+        rows, picks = kept_rows.cache_info(), selection.cache_info()
+        assert (frame.padded, frame.split.describe()) == ((6, 8), "H/2 on sp, W/4 on tp")
+        assert rows.misses == 8 and rows.hits > rows.misses and picks.misses == 4 and picks.hits > picks.misses
+        assert torch.equal(handle.decode(z).sample, out)  # the same shape again: nothing shape-only rebuilt
+        assert list(handle.frames.values()) == [frame] and handle.plan_decode(tuple(z.shape)) is frame
+        assert handle.steps._functions == functions and len(functions) == 1
+        assert kept_rows.cache_info().misses == 8 and selection.cache_info().misses == 4
+        # the first step's program as the devices run it (partitioned: per-device shapes)
+        first = handle.step_function("decode", tuple(z.shape))
+        with handle.tracing("decode", frame):
+            program = handle.backend.step_program(vae, first)
+            piece = handle.backend.upload(pad_frame(z[:, :, :1], frame.padded), frame.split.frame_spec(5))
+            text = program.lower(handle.placed, (piece,)).compile().as_text()
+    finally:
+        handle.remove()
+    dots = re.findall(r"= f32\[(\d+),(\d+)\]\{[^}]*\} dot\(", text)
+    assert ("6", "40") in dots  # each chip's scores: its 6 queries x the 40 logical keys
+    assert not any(set(d) <= {"40", "48"} for d in dots)  # never the frame's 40 x 40 (or padded 48 x 48)
+    # K and V, each the padded frame at the block's width (32) on every chip
+    assert len(re.findall(r"= f32\[1,32,6,8\]\{[^}]*\} all-gather\(", text)) == 2

@@ -187,6 +187,28 @@ class XlaBackend(Backend):
         torch_xla.sync()
         return out
 
+    def run_step(self, model: torch.nn.Module, placed: Any, fn: Any, *args: Any) -> Any:
+        """A VAE step: :meth:`step_program` traced and materialised at once (``torch_xla.sync()``),
+        one graph per step structure, found again by graph hash."""
+        import torch_xla
+
+        out = self.step_program(model, fn)(*args)
+        torch_xla.sync()
+        return out
+
+    def step_program(self, model: torch.nn.Module, fn: Any) -> Any:
+        """The program :meth:`run_step` runs for the step ``fn``: ``fn(model, *args)`` traced lazily
+        on the device (host inputs moved there first), its outputs lazy: ``run_step``
+        materialises them, the compile frontend (``compile --component vae --frontend torch-xla``)
+        exports their graph, so the compile bill is of this very trace. (The ``tt`` backend runs a
+        step through ``torch.compile`` instead: its own ``run_step``.)"""
+
+        def program(*args: Any) -> Any:
+            args, _ = self._to_device(args, {})
+            return fn(model, *args)
+
+        return program
+
     def run_cached_device(self, dit: torch.nn.Module, placed: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One forward with the cache hooks live. A block cache (FirstBlockCache, MagCache) or a
         per-module one (TaylorSeer, PAB) runs as its few programs (:meth:`cached_programs`); any

@@ -4,14 +4,15 @@ compiler, and its collective bill.
 The VAE is built at its real config on the ``meta`` device (weights are shape stand-ins), sharded
 with ``shard_vae`` on the tt devices of a system descriptor, and one of a decode's step programs
 (:mod:`wan_sharding.vae.programs`), the very ``jax.jit`` the JAX backend runs for that step
-(``JaxBackend.step_program``), is lowered through torchax and compiled by ``jax-tt-plugin``:
+(``JaxBackend.step_program``), is lowered through torchax and compiled by ``jax-tt-plugin`` (with
+``--frontend torch-xla``: the lazy trace the ``xla`` backend runs, ``XlaBackend.step_program``):
 ``first``, the first latent frame's (what ``handle.decode`` runs for a one-frame latent), or
 ``steady``, the third's, which every later latent frame reuses: its cache holds two frames and its
 upsampled stages four frames per latent frame, so its halos are the largest of a decode (the
 steps before it are traced for their cache's shapes, not compiled). The TTNN module is read with
 the one TTNN parser (:mod:`.ttnn_ir`); the bill rule for a decode step (``vae_bill``): no collective
-may move more than one latent-resolution frame (the mid-block attention's gather); every other
-collective is a halo (a few boundary rows).
+may move more than one latent-resolution frame at the mid block's width (the mid-block attention's
+K and V gathers, a frame each); every other collective is a halo (a few boundary rows).
 
 The worker (``python -m wan_sharding.compile.vae``) runs in its own process with the descriptor
 set before JAX starts, as the DiT's compile worker does (:mod:`.runner`).
@@ -64,8 +65,8 @@ class VaeCompileRequest:
 
 def frame_bytes(req: VaeCompileRequest) -> int:
     """Bytes of one latent-resolution frame at the mid block's width, as it lies on the mesh (H and W
-    padded to whole shards, in the orientation the handle picks for it): what the mid-block
-    attention gathers."""
+    padded to whole shards, in the orientation the handle picks for it): what each of the mid-block
+    attention's K and V gathers."""
     cfg = vae_config(req.kind, req.size)
     frame = plan_frame(*req.latent_hw(), mesh_from_preset(req.mesh), "mask", 1, "latent frame",
                        widest_scale(cfg, "decode"))
@@ -116,7 +117,7 @@ def _halo_axis_size(c: dict[str, Any]) -> int | None:
     result over the payload's, where each chip contributes one shard's block of boundary rows (the
     ``(lead, nh, rows, nw, cols)`` view of ``vae/halo.py``: a 1 on the shard dim). 1 for a
     point-to-point transfer (neighbour-only by nature); ``None``: not a halo (the mid-block
-    attention's frame gather contributes a whole shard of the frame, not a block of rows)."""
+    attention's K and V gathers contribute a whole shard of the frame, not a block of rows)."""
     if c["kind"] == "point_to_point":
         return 1
     if c["kind"] != "all_gather":
@@ -140,17 +141,21 @@ def halo_traffic(collectives: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def vae_bill(collectives: list[dict[str, Any]], limit: int) -> dict[str, Any]:
-    """The bill of one decode step: the largest collective, the halo (:func:`halo_traffic`), and
-    whether it holds (nothing above ``limit`` bytes). Local ops (``LOCAL_KINDS``) are counted apart
-    and move nothing."""
+    """The bill of one decode step: the largest collective, the halo (:func:`halo_traffic`), the
+    mid-block attention's gathers (``attention_gathers`` / ``attention_gather_bytes``: every
+    all-gather that is no halo, K and V over each split axis), and whether it holds (nothing above
+    ``limit`` bytes). Local ops (``LOCAL_KINDS``) are counted apart and move nothing."""
     local = sum(c["count"] for c in collectives if c["kind"] in LOCAL_KINDS)
     collectives = [c for c in collectives if c["kind"] not in LOCAL_KINDS]
+    attention = [c for c in collectives if c["kind"] == "all_gather" and _halo_axis_size(c) is None]
     largest = max((c["bytes"] for c in collectives), default=0)
     problems = [f"{c['kind']} of {c['bytes']} bytes ({c['result']}) moves more than one latent frame ({limit} bytes)"
                 for c in collectives if c["bytes"] > limit]
     return {"largest_collective_bytes": largest, "frame_limit_bytes": limit, **halo_traffic(collectives),
             "collective_bytes": sum(c["bytes"] * c["count"] for c in collectives),
             "collective_count": sum(c["count"] for c in collectives), "local_slices": local,
+            "attention_gathers": sum(c["count"] for c in attention),
+            "attention_gather_bytes": sum(c["bytes"] * c["count"] for c in attention),
             "bill_ok": not problems, "bill_problems": problems}
 
 
@@ -293,7 +298,8 @@ def _step_facts(handle: Any, step: Any, z_shape: tuple) -> dict[str, Any]:
 
 
 def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
-    """The torch-xla frontend: the decode step traced lazily with torch-xla SPMD on CPU devices
+    """The torch-xla frontend: the decode step's program as the ``xla`` backend runs it
+    (``XlaBackend.step_program``), traced lazily with torch-xla SPMD on CPU devices
     (uninitialised weights: a compile reads shapes, never values), its GSPMD module converted to
     Shardy as Tenstorrent's torch-xla does, written for the compile worker. The steps before a
     ``steady`` step are traced for their cache's shapes only; the compiled step takes fresh device
@@ -328,12 +334,13 @@ def _trace_one(req: VaeCompileRequest, out_dir: Path) -> dict[str, Any]:
         try:
             with torch.no_grad(), handle.tracing("decode", frame):
                 for _ in range(STEPS[req.step]):
-                    lazy = step(vae, z, *lazy)[1]  # lazy: shapes, nothing runs
+                    lazy = backend.step_program(vae, step)(z, *lazy)[1]  # lazy: shapes, nothing runs
                     step = handle.step_function("decode", after=step)
                 shapes = [(c.shape, c.dtype) for c in lazy]
                 del lazy  # the steps before hold no tensor now: materialising the buffers runs nothing of theirs
                 cache = _device_buffers(shapes, backend, spec, xs) if shapes else ()
-                frame, out = step(vae, z, *cache)
+                # the very program decode runs for this step (XlaBackend.run_step), not yet materialised
+                frame, out = backend.step_program(vae, step)(z, *cache)
             gspmd = xm.get_stablehlo([frame, *out])
         finally:
             torch_xla._XLAC._set_xla_all_numbers_special_scalars(False)

@@ -7,12 +7,13 @@ peak and matmul efficiency, the fabric's collective cost) applied to counted wor
 
 - **VAE FLOPs**: counted by torch's ``FlopCounterMode`` on the real ``AutoencoderKLWan`` on the
   ``meta`` device (no weights, no compute): the first latent frame's decode and each later one's
-  (``decode_flops``). Wan 2.1 VAE, 480p, 81 frames: 275.4 TFLOP. All of it divides over the mesh
-  but the mid-block attention (``attention_flops``: 67 GFLOP per latent frame at 480p), which every
-  chip runs whole on the gathered frame.
+  (``decode_flops``). Wan 2.1 VAE, 480p, 81 frames: 275.4 TFLOP. All of it divides over the mesh,
+  the mid-block attention too (``attention_flops``: 67 GFLOP per latent frame at 480p): each chip
+  runs the queries of its shard of the frame against the whole frame's keys (``attention_share``:
+  its padded shard's part).
 - **VAE halo**: per decode step, every 3x3 conv exchanges one row per side with its neighbours on
   both axes (two all-gathers of the boundary rows of every frame it convolves, cut as
-  ``shard_vae`` cuts them) and the mid-block attention gathers one latent frame; the frame split
+  ``shard_vae`` cuts them) and the mid-block attention gathers the latent frame's K and V; the frame split
   as ``shard_vae`` lays it; costed with :func:`.hardware.collective_seconds` on the mesh's own
   axes.
 - **Text encoder**: UMT5-XXL's encoder (24 layers, d_model 4096, d_ff 10240, 512 tokens, prompt and
@@ -64,8 +65,8 @@ def decode_flops(kind: str, resolution: str) -> tuple[float, float]:
 @lru_cache(maxsize=8)
 def attention_flops(kind: str, resolution: str) -> float:
     """FLOPs of the decoder's mid-block attention block (norm, to_qkv, SDPA, proj) on one latent
-    frame, counted on the ``meta`` device: 67 GFLOP for Wan 2.1 at 480p, 335 at 720p. The block runs
-    on the gathered frame, whole on every chip (``vae/hooks.py``), so it does not divide over the mesh."""
+    frame, counted on the ``meta`` device: 67 GFLOP for Wan 2.1 at 480p, 335 at 720p, whole (on one
+    chip); on the mesh each chip runs its share (:func:`attention_share`)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -76,6 +77,27 @@ def attention_flops(kind: str, resolution: str) -> float:
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         block(x)
     return float(counter.get_total_flops())
+
+
+def attention_share(kind: str, resolution: str, mesh: str) -> float:
+    """FLOPs of the mid-block attention on each chip of ``mesh`` for one latent frame, split as
+    ``shard_vae`` splits it (``vae/hooks.py``, ``split_attention``): a chip's queries are its shard
+    of the frame as it lies on the mesh (padded), its keys the logical frame's. Every term of the
+    block grows with the queries (``4 q L c`` for the scores and their weighted sum, ``8 q c^2`` for
+    ``to_qkv`` and ``proj``), so the share is :func:`attention_flops` times the shard's pixels over
+    the frame's: at 480p 67 GFLOP whole, 8.4 on each chip of 2x4, 2.1 of 8x4."""
+    frame = _latent_frame(kind, resolution, mesh_from_preset(mesh))
+    chips = frame.split.nh * frame.split.nw
+    return attention_flops(kind, resolution) * frame.padded[0] * frame.padded[1] / chips / (frame.logical[0] * frame.logical[1])
+
+
+def _latent_frame(kind: str, resolution: str, spec: Any) -> Any:
+    """The latent frame of a decode as ``shard_vae`` lays it on ``spec`` (:func:`~wan_sharding.vae.layout.plan_frame`)."""
+    from ..models import vae_config
+    from ..vae.layout import plan_frame, widest_scale
+
+    return plan_frame(*latent_hw(kind, resolution), spec, "mask", 1, "latent frame",
+                      widest_scale(vae_config(kind, "full"), "decode"))
 
 
 def latent_hw(kind: str, resolution: str) -> tuple[int, int]:
@@ -186,20 +208,21 @@ def _mesh_tflops(arch: str, chips: int) -> float:
 
 
 def vae_stage(kind: str, mesh: str, arch: str, resolution: str, frames: int = FRAMES) -> StageEstimate:
-    """The VAE decode of one video on ``mesh``: FLOPs over the mesh, plus each step's halo
-    all-gathers and the mid-block attention's frame gather, on the mesh's own axes, with the frame
+    """The VAE decode of one video on ``mesh``: FLOPs over the mesh (the mid-block attention as each
+    chip's share, :func:`attention_share`), plus each step's halo all-gathers and the mid-block
+    attention's K and V gathers, on the mesh's own axes, with the frame
     split and padded as ``shard_vae`` lays it (:func:`~wan_sharding.vae.layout.plan_frame`) and
-    each halo gather cut as it cuts them (no piece larger than the frame gather)."""
+    each halo gather cut as it cuts them (no piece larger than a K or V gather)."""
     from ..models import vae_config
     from ..vae.halo import gather_pieces_for
-    from ..vae.layout import frame_values, plan_frame, widest_scale
+    from ..vae.layout import frame_values
 
     spec = mesh_from_preset(mesh)
     fabric = fabric_for(arch, spec.shape)
     flops = video_flops(kind, resolution, frames)
     convs, _, _ = _decoder_shapes(kind, resolution)
     cfg = vae_config(kind, "full")
-    frame = plan_frame(*latent_hw(kind, resolution), spec, "mask", 1, "latent frame", widest_scale(cfg, "decode"))
+    frame = _latent_frame(kind, resolution, spec)
     split, (ph, pw) = frame.split, frame.padded
     limit = frame_values(cfg, "decode", frame) * BF16
     axis = {name: fabric.axis(i) for i, name in enumerate(spec.axis_names)}
@@ -210,13 +233,14 @@ def vae_stage(kind: str, mesh: str, arch: str, resolution: str, frames: int = FR
             if n > 1:
                 pieces = gather_pieces_for(n * payload, limit, lead)
                 comm += pieces * collective_seconds("all_gather", payload / pieces, n, axis[name], fabric).seconds
-    for i, n in enumerate(spec.shape):
+    for i, n in enumerate(spec.shape):  # the attention's K and V: a frame each, gathered over both axes
         if n > 1:
-            comm += collective_seconds("all_gather", limit / spec.num_devices, n, fabric.axis(i), fabric).seconds
+            comm += 2 * collective_seconds("all_gather", limit / spec.num_devices, n, fabric.axis(i), fabric).seconds
     steps = 1 + (frames - 1) // 4
-    # the mid-block attention runs whole on every chip (one latent frame per step); the rest divides
-    whole = attention_flops(kind, resolution) * steps
-    compute = (flops - whole) / _mesh_tflops(arch, spec.num_devices) + whole / _mesh_tflops(arch, 1)
+    # the mid-block attention (one latent frame per step) as each chip's share of its padded frame;
+    # the rest divides over the mesh
+    whole, share = (f * steps for f in (attention_flops(kind, resolution), attention_share(kind, resolution, mesh)))
+    compute = (flops - whole) / _mesh_tflops(arch, spec.num_devices) + share / _mesh_tflops(arch, 1)
     return StageEstimate("vae", compute, comm * steps, flops)
 
 

@@ -14,8 +14,8 @@ every partitioner keeps local, plus one collective per split dim:
    The all-gather hands every chip of the axis every shard's boundary rows (``n x 2`` rows on an
    ``n``-long axis, where a chip needs its two neighbours'): tt-mlir takes no gather over part of
    an axis, and lowers the neighbour-only forms to serial point-to-point chains (``docs/vae.md``).
-   Given ``max_gather`` (the handle passes the values of the mid-block attention's frame gather,
-   the one collective a step needs the size of a frame), a larger gather is cut into pieces along
+   Given ``max_gather`` (the handle passes the values of the mid-block attention's K or V gather,
+   the collectives a step needs the size of a frame), a larger gather is cut into pieces along
    the leading channels x frames dim: the same bytes, no piece larger than that frame.
 2. ``fold``: the ``nh x nw`` shards move into the batch dim: ``(nh*nw*B, ..., h+lo+hi, w+lo+hi)``
    split over both axes on dim 0. The conv then runs with padding 0 on H and W, which is a

@@ -1,5 +1,5 @@
 """The VAE's per-instance hooks: each conv on a split frame gets its halo, the mid-block attention
-gathers the frame, and every hook is undone by ``remove()``.
+runs each chip's queries against the whole frame's keys, and every hook is undone by ``remove()``.
 
 What each module gets (``strategy="halo"``; diffusers 0.42.1's ``autoencoder_kl_wan.py``):
 
@@ -9,7 +9,7 @@ What each module gets (``strategy="halo"``; diffusers 0.42.1's ``autoencoder_kl_
 | ``Conv2d`` of an upsampler (padding 1) | ``padding = (0, 0)`` | padded rows zeroed, halo of 1, fold | unfold |
 | ``ZeroPad2d`` + stride-2 ``Conv2d`` of a downsampler | the pad's ``padding`` all zero | (conv) padded rows zeroed, halo of 0 before / 1 after, fold | unfold |
 | ``WanUpsample`` (nearest x2) | - | fold (no halo: a shard's rows upsample alone) | unfold |
-| ``WanAttentionBlock`` | - | frame gathered (replicated), cut to its logical size | padded back, split again |
+| ``WanAttentionBlock`` | ``forward`` (:func:`split_attention`) | - | - |
 
 Everything else in the VAE (1x1 convs, the time convs, RMS norms over channels, the residual
 shortcuts' 2x2 regroupings, patchify) acts on each pixel or on 2x2 groups a shard holds whole.
@@ -35,6 +35,9 @@ from ..hooks import Hook
 from ..specs import ShardingError
 from .halo import FrameSplit, fold, mask_logical, unfold
 from .layout import Frame
+
+
+_ABSENT = object()  # an instance attribute the module did not have before
 
 
 @dataclass
@@ -84,7 +87,9 @@ class VaeHooks:
     removed: bool = False
 
     def set_attribute(self, module: torch.nn.Module, name: str, value: Any) -> None:
-        self._attributes.append((module, name, module.__dict__[name]))
+        """``module.name = value`` on the instance; ``remove()`` puts the instance's own value back,
+        or deletes the attribute where the instance had none (its class's then shows again)."""
+        self._attributes.append((module, name, module.__dict__.get(name, _ABSENT)))
         setattr(module, name, value)
 
     def remove(self) -> None:
@@ -93,7 +98,10 @@ class VaeHooks:
         for h in reversed(self._handles):
             h.remove()
         for module, name, value in reversed(self._attributes):
-            setattr(module, name, value)
+            if value is _ABSENT:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
         self.removed = True
 
     def describe(self) -> dict[str, Any]:
@@ -186,22 +194,45 @@ def _resample(hooks: VaeHooks, name: str, resample: torch.nn.Module, constrain: 
 
 
 def _attention(hooks: VaeHooks, block: torch.nn.Module, constrain: Any, state: VaeState) -> None:
-    """One head over the whole frame: gathered (the one collective the size of a frame), cut to its
-    logical size so padded pixels are no keys, padded back and split again after."""
-    padded: list[tuple[int, int]] = []
+    """The block's own ``forward`` for this instance (an instance attribute, the class untouched;
+    ``remove()`` deletes it): :func:`split_attention` on the call's frame."""
 
-    def pre(mod, args):
-        x = args[0]
-        padded.append(tuple(x.shape[-2:]))
-        lh, lw = state.logical_at(x)
-        x = constrain(x, (None,) * x.ndim)  # the frame's gather
-        return (x[..., :lh, :lw],)
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return split_attention(block, x, state.split, state.logical_at(x), constrain)
 
-    def post(mod, args, y):
-        ph, pw = padded.pop()
-        y = constrain(y, (None,) * y.ndim)  # pinned: else the split below propagates into the attention
-        y = F.pad(y, (0, pw - y.shape[-1], 0, ph - y.shape[-2]))
-        return constrain(y, state.split.frame_spec(y.ndim))
+    hooks.set_attribute(block, "forward", forward)
 
-    hooks._handles.append(block.register_forward_pre_hook(Hook(pre)))
-    hooks._handles.append(block.register_forward_hook(Hook(post)))
+
+def split_attention(block: torch.nn.Module, x: torch.Tensor, split: FrameSplit, logical: tuple[int, int],
+                    constrain: Any) -> torch.Tensor:
+    """``WanAttentionBlock.forward`` (one head over a frame's pixels, diffusers 0.42.1) on a frame
+    ``x`` (B, C, T, H, W) split over the mesh: the same modules and ``scaled_dot_product_attention``,
+    with each chip's queries its own shard's pixels and its keys and values the whole frame's.
+
+    The norm, ``to_qkv`` and ``proj`` act per pixel, on the split frame. K and V are gathered (one
+    all-gather each, a frame at the block's width: the largest collective of a step) and cut to the
+    logical frame, so padded pixels are no keys. The queries' shards move into the batch (as a
+    conv's halo does, :func:`.halo.fold`) beside K and V broadcast to each shard, so the scores and
+    the softmax, ``L x L`` per frame whole, are ``L/N x L`` on each of ``N`` chips, every value
+    local to its chip (split on the batch dim, as a folded conv). Padded pixels' outputs are
+    zeroed, as the logical frame padded back was. Each query's row is SDPA's over the same keys in
+    the same order."""
+    identity = x
+    b, c, t, h, w = x.shape
+    lh, lw = logical
+    bt, n = b * t, split.shards
+    x = x.permute(0, 2, 1, 3, 4).reshape(bt, c, h, w)
+    q, k, v = block.to_qkv(block.norm(x)).chunk(3, dim=1)  # each (bt, c, h, w), split as the frame
+    spec = split.folded_spec(4)
+
+    def whole(kv: torch.Tensor) -> torch.Tensor:  # (n * bt, 1, lh * lw, c): every shard the frame's keys
+        kv = constrain(kv, (None,) * 4)[..., :lh, :lw].reshape(bt, 1, c, lh * lw).transpose(2, 3)
+        return constrain(kv.unsqueeze(0).expand(n, *kv.shape).reshape(n * bt, *kv.shape[1:]), spec)
+
+    q = fold(q, split, constrain)  # (n * bt, c, h / nh, w / nw): each shard's own pixels
+    sh, sw = q.shape[-2:]
+    q = constrain(q.reshape(n * bt, 1, c, sh * sw).transpose(2, 3), spec)
+    y = F.scaled_dot_product_attention(q, whole(k), whole(v))  # (n * bt, 1, sh * sw, c)
+    y = unfold(constrain(y.transpose(2, 3).reshape(n * bt, c, sh, sw), spec), split, constrain)
+    y = block.proj(y).view(b, t, c, h, w).permute(0, 2, 1, 3, 4)
+    return mask_logical(y + identity, lh, lw)

@@ -192,7 +192,8 @@ def spatial_units(vae: Any) -> tuple[int, int]:
 def frame_values(config: Any, part: str, frame: Frame) -> int:
     """Values of one frame at the mid block's width and the latent resolution, as it lies on the
     mesh (``frame``'s padded size; an encode's frame at its latent rows): what the mid-block
-    attention gathers per batch item in one step of ``part``, the frame limit of the bill (docs/vae.md).
+    attention gathers of its K, and of its V, per batch item in one step of ``part``, the frame
+    limit of the bill (docs/vae.md).
     ``config`` is the VAE's (``vae.config``) or its config dict (AutoencoderKLWan's defaults filled in)."""
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     base = get("base_dim", 96)
@@ -203,9 +204,10 @@ def frame_values(config: Any, part: str, frame: Frame) -> int:
 
 
 def attention_gather(vae: Any, part: str, batch: int, frame: Frame) -> int:
-    """The values the mid-block attention gathers in one step of ``part`` (the whole latent frame at
-    its width, per batch item: :func:`frame_values`): the one collective a step needs the size of
-    a frame, and the most any halo all-gather is let hand a chip (the bill rule of docs/vae.md)."""
+    """The values each of the mid-block attention's K and V gathers in one step of ``part`` (the
+    whole latent frame at its width, per batch item: :func:`frame_values`): the collectives a step
+    needs the size of a frame, and the most any halo all-gather is let hand a chip (the bill rule of
+    docs/vae.md)."""
     return batch * frame_values(vae.config, part, frame)
 
 

@@ -7,7 +7,7 @@ latent frame or time chunk (:mod:`.programs`), and return what ``vae.decode`` / 
 return. Each call's frame is split over H on one mesh axis and W on the other, the way round
 whose halo all-gathers are smaller for that frame (:func:`.layout.plan_frame`); each step pads its
 frame to the mesh (when it must) and splits it inside its program, and no halo all-gather in it
-grows past the mid-block attention's frame gather (:func:`.layout.attention_gather`); the host
+grows past the mid-block attention's K or V gather (a frame each: :func:`.layout.attention_gather`); the host
 assembles the outputs and cuts them back to the logical size.
 """
 
@@ -223,8 +223,9 @@ def shard_vae(vae: torch.nn.Module, mesh_or_plan: Any = None, backend: str | Bac
     from each neighbour. The halo moves as an all-gather of every shard's boundary rows over the
     whole mesh axis, each shard then picking its neighbours' rows from it: each chip is handed the
     axis length times the rows it needs (``compile --component vae`` reports both per step), and
-    no such gather is larger than the attention's frame gather. The mid-block attention runs on the
-    gathered frame.
+    no such gather is larger than the attention's K or V gather. The mid-block attention runs each
+    chip's queries (its shard's pixels) against the whole frame's keys and values, gathered: its
+    scores and softmax are split over the mesh.
 
     Args:
         vae: the model (real weights; ``meta`` for the ``jax`` backend's compile-only lowering).
