@@ -95,6 +95,18 @@ def commands_leave_an_empty_tmpdir():
     assert not left, f"left in the commands' TMPDIR: {[p.name for p in left]}"
 
 
+# The files whose module fixtures take the longest (a minute or more of one core each): collected
+# first, so that with `-n 2 --dist loadfile` (pyproject.toml) they start at once on the two processes
+# and the short files fill in beside them, instead of one of them running alone at the end.
+LONG_FILES = ("test_tt_contract.py", "test_tt_vae_contract.py", "test_vae.py", "test_serve.py", "test_workers.py",
+              "test_cache.py", "test_pcc.py", "test_plan_pipeline.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: each file's order kept
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(COMMANDS_TMPDIR, ignore_errors=True)
 
