@@ -231,26 +231,9 @@ class TTBackend(XlaBackend):
         gets its new values in the very same ``Parameter`` object (``.data``): the compiled forward
         holds these objects, so a hotswap of an adapter with the same rank and targets compiles
         nothing. The specs are kept beside the base's for the check before the next compile."""
-        import torch_xla
-        import torch_xla.distributed.spmd as xs
-
         self._placed_specs[dit] = {**{n: s for n, s in self._placed_specs.get(dit, {}).items()
                                       if n in dict(dit.named_parameters())}, **specs}
-        torch_xla.sync()  # in-place writes on the devices, if any, as one graph
-        before, now = self._lora_params.get(dit, {}), {}
-        for name, spec in specs.items():
-            owner, _, attr = name.rpartition(".")
-            module = dit.get_submodule(owner)
-            current = module._parameters[attr]
-            value = current.detach().to("cpu").to(self.device)
-            xs.mark_sharding(value, self.native_mesh, spec)
-            param = before.get(name)
-            if param is not None and param.shape == value.shape and param.dtype == value.dtype:
-                param.data = value  # the same object, new values, split as marked
-            else:
-                param = torch.nn.Parameter(value, requires_grad=current.requires_grad)
-            module._parameters[attr] = now[name] = param
-        self._lora_params[dit] = now
+        self._lora_params[dit] = self._put_lora(dit, specs, keep=self._lora_params.get(dit, {}))
 
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         # Returns a new value, so replicated-then-sharded stays two constraints in the graph.

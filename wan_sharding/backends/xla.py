@@ -105,17 +105,34 @@ class XlaBackend(Backend):
         """Put ``dit``'s LoRA parameters (``specs``: their name -> spec) on the mesh again, each
         from a host copy (a hotswap or a new adapter may have left it on the host, or written it in
         place); the base weights stay as they are."""
+        self._put_lora(dit, specs)
+        self.__dict__.get("_cache_programs", {}).pop(id(dit), None)  # dynamo's guards hold the old parameters
+
+    def _put_lora(self, dit: torch.nn.Module, specs: Mapping[str, Spec],
+                  keep: Mapping[str, torch.nn.Parameter] | None = None) -> dict[str, torch.nn.Parameter]:
+        """Each LoRA parameter of ``specs`` (name -> spec) copied to the host and back onto the mesh,
+        marked with its spec; the parameters now in ``dit``, by name. One in ``keep`` of the same
+        shape and dtype gets the new values in that very object (``.data``), any other a new
+        ``Parameter``."""
         import torch_xla
         import torch_xla.distributed.spmd as xs
 
         torch_xla.sync()  # a hotswap's in-place copies on the devices run as one graph, not one per weight read
+        now = {}
         for name, spec in specs.items():
             owner, _, attr = name.rpartition(".")
             module = dit.get_submodule(owner)
-            host = module._parameters[attr].detach().to("cpu")
-            module._parameters[attr] = torch.nn.Parameter(host.to(self.device), requires_grad=module._parameters[attr].requires_grad)
-            xs.mark_sharding(module._parameters[attr], self.native_mesh, spec)
-        self.__dict__.get("_cache_programs", {}).pop(id(dit), None)  # dynamo's guards hold the old parameters
+            current = module._parameters[attr]
+            value = current.detach().to("cpu").to(self.device)
+            param = (keep or {}).get(name)
+            if param is not None and param.shape == value.shape and param.dtype == value.dtype:
+                xs.mark_sharding(value, self.native_mesh, spec)
+                param.data = value  # the same object, new values, split as marked
+            else:
+                param = torch.nn.Parameter(value, requires_grad=current.requires_grad)
+                xs.mark_sharding(param, self.native_mesh, spec)
+            module._parameters[attr] = now[name] = param
+        return now
 
     def constrain(self, tensor: torch.Tensor, spec: Spec) -> torch.Tensor:
         import torch_xla.distributed.spmd as xs
